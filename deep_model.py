@@ -1,0 +1,84 @@
+"""The deep benchmark model: `depth` blocks of Linear(width, width) + ReLU, regression loss.
+
+Every block costs the same, so any cut into stages is balanced: the workload for measuring
+schedules, where GPTlite's 50257-token embedding and head would make one stage dominate.
+Same pipeline interface as gptlite.py: `to_layers()`, `DeepPipeSpec`, `get_model(...)`.
+Inputs and targets are synthetic: `synthetic_micro_batch` draws them from (seed, index).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
+
+
+@dataclass(frozen=True)
+class DeepConfig:
+    width: int = 256
+    depth: int = 16
+    seed: int = 0
+
+
+class DeepBlock(nn.Module):
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return F.relu(self.fc(x))
+
+
+def layer_specs(config: DeepConfig):
+    return [(DeepBlock, (config.width, ))] * config.depth
+
+
+class DeepModel(nn.Module):
+
+    def __init__(self, config: DeepConfig, activation_checkpoint_interval: int = 0):
+        super().__init__()
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        specs = layer_specs(config)
+        self.blocks = nn.ModuleList(build_layer(specs, i, config.seed) for i in range(config.depth))
+
+    def to_layers(self):
+        return list(self.blocks)
+
+    def forward(self, x):
+        checkpoint = lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        return run_layers(self.to_layers(), x, self.activation_checkpoint_interval, checkpoint, (DeepBlock, ))
+
+
+class DeepPipe(LayerPipe):
+    checkpointable = (DeepBlock, )
+
+
+class DeepPipeSpec(DeepPipe):
+
+    def __init__(self, config: DeepConfig, **kwargs):
+        specs = layer_specs(config)
+        super().__init__(layers=[SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))], **kwargs)
+
+
+def mse_loss(output, target):
+    return F.mse_loss(output, target)
+
+
+def synthetic_micro_batch(index: int, batch_size: int, width: int, seed: int):
+    """Micro-batch `index`: inputs ~ N(0,1) and targets ~ N(0,1), drawn from (seed, index) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randn(batch_size, width, generator=g), torch.randn(batch_size, width, generator=g)
+
+
+def get_model(criterion=mse_loss, pipeline_num_stages=0, pipeline_spec_layers=False,
+              activation_checkpoint_interval=0, width=256, depth=16, seed=0, partition_method="uniform"):
+    config = DeepConfig(width=width, depth=depth, seed=seed)
+    if not pipeline_num_stages:
+        return DeepModel(config, activation_checkpoint_interval)
+    pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
+                       activation_checkpoint_interval=activation_checkpoint_interval)
+    if pipeline_spec_layers:
+        return DeepPipeSpec(config, **pipe_kwargs)
+    return DeepPipe(layers=DeepModel(config).to_layers(), **pipe_kwargs)

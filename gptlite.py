@@ -1,0 +1,178 @@
+"""GPTlite: a small GPT-2-style decoder, and its DeepSpeed pipeline builds.
+
+    idx (B,T) -> EmbeddingsSum -> Block x n_layer -> LayerNorm -> lm_head -> logits (B,T,V)
+
+- `GPTlite`: the plain model (what runs without a pipeline).
+- `GPTlite.to_layers()`: the same modules as the ordered list `PipelineModule(layers=...)` takes;
+  every rank holds every layer (the list keeps them alive), only its own are trained.
+- `GPTlitePipeSpec`: the memory-efficient build from `LayerSpec`s: each rank builds only the
+  layers of its own stage.
+- `get_model(...)`: one of the three, from train.py's flags.
+
+Every layer draws its initial parameters from a seed given by its index (see layers.py), so
+all three builds start from identical weights.
+"""
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec
+
+from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
+
+
+@dataclass(frozen=True)
+class GPTliteConfig:
+    vocab_size: int = 50257  # GPT-2 BPE
+    block_size: int = 256    # context length
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    seed: int = 0            # layer i is initialised from seed LAYER_SEED_BASE + seed + i
+
+
+MODEL_SIZES = {
+    "tiny": GPTliteConfig(block_size=32, n_layer=4, n_head=2, n_embd=32),       # tests
+    "small": GPTliteConfig(block_size=64, n_layer=4, n_head=4, n_embd=128),     # CPU demo
+    "medium": GPTliteConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),   # nanoGPT "baby GPT"
+    "gpt2": GPTliteConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),  # GPT-2 small
+}
+
+
+class EmbeddingsSum(nn.Module):
+    """Token + position embeddings: the first pipeline layer (integer input, float output)."""
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__()
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+        nn.init.normal_(self.pos_emb.weight, std=0.02)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+        # GPT-2's scaled init of the projections into the residual stream
+        for proj in (self.attn.proj, self.mlp.proj):
+            nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class LMHead(nn.Linear):
+    """Projection to vocabulary logits (no bias, GPT-2 init)."""
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__(config.n_embd, config.vocab_size, bias=False)
+        nn.init.normal_(self.weight, std=0.02)
+
+
+def layer_specs(config: GPTliteConfig):
+    """(class, args) of every layer in forward order: the one description of the layer list."""
+    return ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
+            [(nn.LayerNorm, (config.n_embd, )), (LMHead, (config, ))])
+
+
+class GPTlite(nn.Module):
+
+    def __init__(self, config: GPTliteConfig, activation_checkpoint_interval: int = 0):
+        super().__init__()
+        self.config = config
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        specs, n = layer_specs(config), config.n_layer
+        self.emb = build_layer(specs, 0, config.seed)
+        self.blocks = nn.ModuleList(build_layer(specs, 1 + i, config.seed) for i in range(n))
+        self.ln_f = build_layer(specs, n + 1, config.seed)
+        self.lm_head = build_layer(specs, n + 2, config.seed)
+
+    def to_layers(self):
+        """The model as the ordered layer list for `PipelineModule(layers=...)`."""
+        return [self.emb, *self.blocks, self.ln_f, self.lm_head]
+
+    def forward(self, idx):
+        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        return run_layers(self.to_layers(), idx, self.activation_checkpoint_interval, checkpoint, (Block, ))
+
+
+class GPTlitePipe(LayerPipe):
+    """A PipelineModule over GPTlite's layers; checkpointing applies to Blocks only."""
+    checkpointable = (Block, )
+
+
+class GPTlitePipeSpec(GPTlitePipe):
+    """Memory-efficient pipeline build: layers are LayerSpecs, built only on their own stage."""
+
+    def __init__(self, config: GPTliteConfig, **kwargs):
+        specs = layer_specs(config)
+        super().__init__(layers=[SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))], **kwargs)
+
+
+def CrossEntropyLoss_FlatView(logits, labels):
+    """Cross-entropy over (B,T,V) logits and (B,T) labels; flattening happens here, not in the model."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+
+def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
+              pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
+              partition_method="parameters", **config_overrides):
+    """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds."""
+    config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
+    if not pipeline_num_stages:
+        return GPTlite(config, activation_checkpoint_interval)
+    pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
+                       activation_checkpoint_interval=activation_checkpoint_interval)
+    if pipeline_spec_layers:
+        return GPTlitePipeSpec(config, **pipe_kwargs)
+    layers = GPTlite(config).to_layers()
+    return GPTlitePipe(layers=layers, **pipe_kwargs)

@@ -1,0 +1,107 @@
+"""What the two models share about being cut into pipeline stages.
+
+- `seeded_init(index)`: every pipeline layer initialises its parameters from a seed derived
+  from its global layer index, so a layer is identical whether it is built by the plain model,
+  by `to_layers()`, or lazily by a `LayerSpec` on the rank that owns it. This is what lets a
+  pipelined run be compared bit for bit with the non-pipelined one.
+- `run_layers(...)`: forward through a list of layers with activation checkpointing applied to
+  groups of `interval` consecutive checkpointable layers (transformer blocks), each group
+  starting at the first such layer of the stage. DeepSpeed's own grouping counts from the
+  stage's first layer, so on stage 0 it would glue the embedding (integer input, which
+  reentrant checkpointing cannot take) to the first block and leave that group unchecked.
+- `LayerPipe`: a `PipelineModule` whose forward is `run_layers`.
+- `layer_state_dict(...)`: the parameters of a list of layers keyed by global layer index
+  (`"3.attn.qkv.weight"`), the one naming that plain and pipelined models share; train.py's
+  `--export` writes it and the tests compare it.
+"""
+import contextlib
+
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+LAYER_SEED_BASE = 1234  # seed of layer i is LAYER_SEED_BASE + seed + i
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int):
+    """Build modules under a fixed RNG seed without disturbing the caller's RNG stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_layer(specs, index: int, seed: int):
+    """Layer `index` of a model described by `specs` [(class, args), ...], under its own seed."""
+    cls, args = specs[index]
+    with seeded_init(LAYER_SEED_BASE + seed + index):
+        return cls(*args)
+
+
+class SeededLayerSpec(LayerSpec):
+    """A LayerSpec that builds its layer with `build_layer`, so its init matches the plain model."""
+
+    def __init__(self, specs, index: int, seed: int):
+        cls, args = specs[index]
+        super().__init__(cls, *args)
+        self.specs, self.index, self.seed = specs, index, seed
+
+    def build(self, log=False):
+        return build_layer(self.specs, self.index, self.seed)
+
+
+def run_layers(layers, x, interval: int = 0, checkpoint_fn=None, checkpointable=()):
+    """Apply `layers` in order; checkpoint runs of `interval` consecutive `checkpointable` layers."""
+    i = 0
+    while i < len(layers):
+        if interval > 0 and isinstance(layers[i], checkpointable):
+            group = []
+            while i < len(layers) and len(group) < interval and isinstance(layers[i], checkpointable):
+                group.append(layers[i])
+                i += 1
+            x = checkpoint_fn(_Sequence(group), x)
+        else:
+            x = layers[i](x)
+            i += 1
+    return x
+
+
+class _Sequence:
+    """A plain callable over a group of layers (not a Module: it must not re-register them)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LayerPipe(PipelineModule):
+    """PipelineModule whose activation checkpointing groups start at each stage's first block.
+
+    Subclasses set `checkpointable` to the layer classes worth checkpointing.
+    """
+    checkpointable: tuple = ()
+
+    def forward(self, x):
+        interval = self.activation_checkpoint_interval
+        if interval > 0 and isinstance(x, tuple) and len(x) == 1:
+            x = x[0]
+        return run_layers(self.forward_funcs, x, interval, self.activation_checkpoint_func, self.checkpointable)
+
+
+def layer_state_dict(layers, first_index: int = 0) -> dict:
+    """{f"{global_layer_index}.{param_name}": tensor} for modules in `layers` (others skipped)."""
+    state = {}
+    for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Module):
+            for name, tensor in layer.state_dict().items():
+                state[f"{first_index + i}.{name}"] = tensor.detach().cpu().clone()
+    return state
+
+
+def pipe_layer_state_dict(module: PipelineModule) -> dict:
+    """The layer-indexed state of the layers this pipeline rank owns."""
+    return layer_state_dict(module.forward_funcs, module._local_start)

@@ -1,0 +1,623 @@
+"""Run every rank's DeepSpeed `PipeSchedule` instruction stream together, without a model.
+
+The simulator instantiates the schedule class once per stage_id and consumes its steps(), so
+there is no second description of any schedule. Each instruction becomes a few *effects*
+(compute a pass, load data, send/receive a tensor, launch queued p2p) through a handler looked
+up by the instruction's exact type, as DeepSpeed's engine does. Which chunk an instruction
+touches and which rank it talks to depend on the engine, not the schedule: a `Placement`
+answers that.
+
+Communication follows the real engine on gloo: a send completes only once the peer has posted
+the matching receive (rendezvous); messages between an ordered pair of ranks match first-in
+first-out whatever their kind; engines with CommitP2P queue their sends/receives and post them
+together at the CommitP2P (dist.batch_isend_irecv), which waits for all of them. A mismatch at
+the head of a channel, a wait that can never end, or a buffer used out of order raises
+ScheduleError naming rank, step and instruction: schedules are checked, not trusted.
+
+Extending: teach a new instruction type once with `register_instruction`, next to its engine
+handler; add a schedule with one `register_schedule` line next to its class (any module of
+the `schedules` package is imported by `available_schedules()`).
+"""
+
+import importlib
+import pkgutil
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from schedules.timeline import Pass, Timeline
+
+
+class ScheduleError(Exception):
+    """A schedule that deadlocks, breaks the p2p protocol or misuses its buffers."""
+
+
+ACTIVATION, GRADIENT, META = 'activation', 'gradient', 'tensor-meta'
+
+
+# ----------------------------------------------------------------------------------------------
+# Effects: the vocabulary instruction handlers answer in.
+
+@dataclass(frozen=True)
+class Compute:
+    """Run pass `kind` ('F', 'B', 'W' or 'BW') of `chunk` on the micro-batch held in `buffer`.
+
+    A forward's micro-batch is recovered by counting forwards per (chunk, direction), a backward's
+    from the forward that filled its buffer; pass `micro_batch` to override. `pair=True` on
+    several computes of one instruction draws them as one unit. `memory` overrides the
+    activation-memory delta (default: F adds the chunk size, BW frees it, B and W free half).
+    A 'W' without a buffer takes the oldest pending 'B' of its chunk.
+    """
+    kind: str
+    chunk: int
+    buffer: Optional[int] = None
+    micro_batch: Optional[int] = None
+    direction: Optional[int] = None
+    pair: bool = False
+    memory: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send the output activation (or the input gradient) held in `buffer` to the chunk downstream (upstream)."""
+    kind: str  # ACTIVATION or GRADIENT
+    chunk: int
+    buffer: int
+    direction: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive an input activation (from upstream) or an output gradient (from downstream) into `buffer`."""
+    kind: str
+    chunk: int
+    buffer: int
+    direction: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Load:
+    """Load a micro-batch (costs nothing): the first stage's forward needs it."""
+    chunk: int
+    buffer: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Post every queued send/receive as one batch and wait for all of them."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Instruction registry: exact type -> handler(instr, ctx) -> list of effects.
+
+_HANDLERS = {}
+
+
+@dataclass
+class Context:
+    """What a handler may ask about the rank running the instruction."""
+    rank: int
+    placement: 'Placement'
+    chunk: int  # placement.chunk_of(rank, instr)
+
+
+def register_instruction(instr_type, handler=None):
+    """Teach the simulator an instruction type; usable as a decorator.
+
+    The handler gets (instr, ctx) and returns a list of effects; it is found by the exact type
+    of the instruction (subclasses are not matched, as in DeepSpeed's _INSTRUCTION_MAP).
+    A Placement may override a type for its engine in its `handlers` dict.
+    """
+    if handler is None:
+        return lambda h: register_instruction(instr_type, h) or h
+    _HANDLERS[instr_type] = handler
+    return handler
+
+
+register_instruction(ds.LoadMicroBatch, lambda i, c: [Load(c.chunk, i.buffer_id)])
+register_instruction(ds.ForwardPass, lambda i, c: [Compute('F', c.chunk, i.buffer_id)])
+register_instruction(ds.BackwardPass, lambda i, c: [Compute('BW', c.chunk, i.buffer_id)])
+register_instruction(ds.SendActivation, lambda i, c: [Send(ACTIVATION, c.chunk, i.buffer_id)])
+register_instruction(ds.RecvActivation, lambda i, c: [Recv(ACTIVATION, c.chunk, i.buffer_id)])
+register_instruction(ds.SendGrad, lambda i, c: [Send(GRADIENT, c.chunk, i.buffer_id)])
+register_instruction(ds.RecvGrad, lambda i, c: [Recv(GRADIENT, c.chunk, i.buffer_id)])
+register_instruction(ds.CommitP2P, lambda i, c: [Commit()])
+for _t in (ds.OptimizerStep, ds.ReduceGrads, ds.ReduceTiedGrads):  # no barrier, no cost here
+    register_instruction(_t, lambda i, c: [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Placements: how an engine maps (rank, instruction) to chunk, global stage and peer.
+
+class Placement:
+    """Ranks hold `chunks` model chunks each; chunk (r, c) runs global stage `stage(r, c)`.
+
+    Neighbours follow the stage order: activations go from stage s to s + 1 and gradients back.
+    When both stages sit on one rank the hand-over is local (no message).
+    """
+    chunks = 1
+    batched_p2p = False  # sends/receives only queue until CommitP2P
+    tensor_meta = True  # the first activation send of each chunk is preceded by a blocking shape message
+    single_grad_slot = False  # the engine keeps one received gradient at a time
+    handlers = {}  # engine-specific overrides of the instruction registry
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self._owner = {self.stage(r, c): (r, c) for r in range(ranks) for c in range(self.chunks)}
+        assert len(self._owner) == ranks * self.chunks, 'override neighbour() when stages repeat'
+        self.num_stages = len(self._owner)
+
+    def stage(self, rank, chunk):
+        return rank
+
+    def chunk_size(self, rank, chunk):
+        """Share of the model in units of one 1F1B stage (1/p of the model)."""
+        return self.ranks / self.num_stages
+
+    def chunk_of(self, rank, instr):
+        return instr.kwargs.get('chunk', instr.kwargs.get('phase', 0))
+
+    def neighbour(self, rank, chunk, step, direction=None):
+        """(rank, chunk) holding the stage `step` (+1 downstream, -1 upstream) away, or None."""
+        return self._owner.get(self.stage(rank, chunk) + step)
+
+
+class StockPlacement(Placement):
+    """DeepSpeed's PipelineEngine: rank r runs stage r, sends activations to r+1, grads to r-1."""
+    single_grad_slot = True  # _exec_recv_grads writes self.grad_layer, read by the next backward
+
+    def chunk_of(self, rank, instr):
+        extra = set(instr.kwargs) - {'buffer_id'}
+        if extra:  # the stock engine calls its handlers with **kwargs and would raise
+            raise ScheduleError(f'rank {rank}: the stock PipelineEngine cannot run {instr!r} '
+                                f'(its handlers take only buffer_id, not {sorted(extra)})')
+        return 0
+
+
+class DualPipeVPlacement(Placement):
+    """DeepSpeed's DualPipeVEngine: rank r holds stage r (phase 0) and 2p-1-r (phase 1).
+
+    Chunk = instruction's phase. Phase 0 sends activations to r+1, phase 1 to r-1, as in
+    _downstream_stage(); on the last rank phase 0 hands over to phase 1 locally (the engine
+    copies the outputs), which the stage order below gives: stages p-1 and p share rank p-1.
+    """
+    chunks = 2
+    batched_p2p = True
+
+    def stage(self, rank, chunk):
+        return rank if chunk == 0 else 2 * self.ranks - 1 - rank
+
+    def chunk_of(self, rank, instr):
+        return instr.kwargs.get('phase', 0)  # LoadMicroBatch carries no phase: it fills phase 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The simulation.
+
+def _unit_cost(kind, size):
+    return size * {'F': 1, 'B': 1, 'W': 1, 'BW': 2}[kind]
+
+
+def _describe(msg):
+    kind, src, dst, direction, it, mb = msg
+    what = f'{kind} of stage {src}->{dst}'
+    if mb is not None:
+        what += f' for micro-batch {mb}' + (f' (iteration {it})' if it else '')
+    return what + ('' if direction is None else f' direction {direction}')
+
+
+class _Op:
+    """One posted (or queued) point-to-point operation."""
+    __slots__ = ('rank', 'peer', 'is_send', 'msg', 'where', 'posted', 'done', 'on_match')
+
+    def __init__(self, rank, peer, is_send, msg, where, on_match=None):
+        self.rank, self.peer, self.is_send, self.msg, self.where = rank, peer, is_send, msg, where
+        self.posted = self.done = None
+        self.on_match = on_match
+
+    def describe(self):
+        verb = f'send {_describe(self.msg)} to' if self.is_send else f'receive {_describe(self.msg)} from'
+        return f'{verb} rank {self.peer}'
+
+
+class _Buffer:
+    """What the engine's pipe buffer holds, as far as ordering checks need."""
+    __slots__ = ('loaded', 'inp', 'out', 'act', 'b_done', 'grad', 'bwd')
+
+    def __init__(self):
+        self.loaded = False  # a LoadMicroBatch filled it
+        self.inp = None  # micro-batch of a received, not yet consumed input activation
+        self.out = None  # micro-batch whose output activation it holds (until its backward)
+        self.act = None  # micro-batch whose activations are live (F done, W/BW not yet)
+        self.b_done = False  # input-gradient pass done, weight pass pending
+        self.grad = None  # micro-batch of a received output gradient
+        self.bwd = None  # micro-batch whose input gradient is ready to send
+
+
+class _Rank:
+    def __init__(self, rank, steps):
+        self.rank, self.steps = rank, steps  # steps: iterator of (iteration, step, instruction)
+        self.clock = 0.0
+        self.where = None  # (iteration, step, instruction) being executed
+        self.effects, self.waiting, self.queued = deque(), [], []
+        self.finished = False
+        self.buffers = {}
+        self.counts = Counter()
+        self.forwards, self.backwards = set(), set()  # (iteration, chunk, direction, micro-batch)
+        self.pending_w = []  # (chunk, buffer) in B order
+        self.meta_done = set()  # (ACTIVATION send|recv, chunk) after the first shape exchange
+        self.grad_slot = None  # stock engine: gradient received but not yet used
+        self.memory = self.peak = 0.0
+        self.passes, self.iteration_end = [], {}
+
+    def at(self):
+        it, step, instr = self.where
+        return f'rank {self.rank} (iteration {it}, step {step}: {instr!r})'
+
+    def buffer(self, chunk, buffer_id):
+        return self.buffers.setdefault((chunk, buffer_id), _Buffer())
+
+
+class _Simulation:
+    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency):
+        self.placement, self.micro_batches, self.cost, self.latency = placement, micro_batches, cost, latency
+        # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
+        first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
+
+        def stream(r):
+            for it in range(iterations):
+                sched = first[r] if it == 0 else factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
+                for step, cmds in enumerate(sched.steps()):
+                    for instr in cmds:
+                        yield it, step, instr
+
+        self.ranks = [_Rank(r, stream(r)) for r in range(ranks)]
+        self.channels = {}  # (src, dst) -> (deque of sends, deque of receives), in posting order
+        self.next_pair = 0
+        self.any_backward = False
+
+    # -- driving ------------------------------------------------------------------------------
+    def run(self):
+        # Matching depends only on each rank's posting order, never on which rank runs first, so
+        # sweeping the ranks until none moves gives the same answer as an event queue.
+        progress = True
+        while progress:
+            progress = False
+            for rank in self.ranks:
+                progress |= self._advance(rank)
+        if not all(r.finished for r in self.ranks):
+            raise ScheduleError(self._stuck_report())
+        self._final_checks()
+
+    def _advance(self, rk):
+        moved = False
+        while not rk.finished:
+            if rk.waiting:
+                if any(op.done is None for op in rk.waiting):
+                    return moved
+                rk.clock = max([rk.clock] + [op.done for op in rk.waiting])
+                rk.waiting = []
+            if not rk.effects:
+                nxt = next(rk.steps, None)
+                if rk.where is not None and (nxt is None or nxt[0] != rk.where[0]):
+                    rk.iteration_end[rk.where[0]] = rk.clock
+                if nxt is None:
+                    if rk.queued:
+                        raise ScheduleError(f'{rk.at()} is the end of the stream of rank {rk.rank}, but its queued '
+                                            f'p2p was never launched by a CommitP2P: '
+                                            + '; '.join(op.describe() for op in rk.queued))
+                    rk.finished = True
+                    return True
+                rk.where = nxt
+                rk.effects.extend(self._effects_of(rk, nxt[2]))
+                continue  # the instruction may have no effect at all
+            self._apply(rk, rk.effects.popleft())
+            moved = True
+        return moved
+
+    def _effects_of(self, rk, instr):
+        handler = self.placement.handlers.get(type(instr)) or _HANDLERS.get(type(instr))
+        if handler is None:
+            raise ScheduleError(f'{rk.at()}: the simulator does not understand {type(instr).__name__} '
+                                f'(teach it with register_instruction)')
+        effects = list(handler(instr, Context(rk.rank, self.placement, self.placement.chunk_of(rk.rank, instr))))
+        if any(getattr(e, 'pair', False) for e in effects):
+            self.next_pair += 1
+        return effects
+
+    def _apply(self, rk, e):
+        if isinstance(e, Compute):
+            self._compute(rk, e)
+        elif isinstance(e, Load):
+            rk.buffer(e.chunk, e.buffer).loaded = True
+        elif isinstance(e, (Send, Recv)):
+            self._p2p(rk, e)
+        elif isinstance(e, Commit):
+            if not self.placement.batched_p2p:
+                raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
+                                    f'(its sends and receives are blocking)')
+            for op in rk.queued:
+                self._post(rk, op)
+            rk.waiting, rk.queued = rk.queued, []
+        else:
+            raise ScheduleError(f'{rk.at()}: unknown effect {e!r}')
+
+    # -- compute and the ordering rules it checks ------------------------------------------------
+    def _compute(self, rk, e):
+        pl, it = self.placement, rk.where[0]
+        size = pl.chunk_size(rk.rank, e.chunk)
+        up = pl.neighbour(rk.rank, e.chunk, -1, e.direction)
+        down = pl.neighbour(rk.rank, e.chunk, +1, e.direction)
+        buf = rk.buffer(e.chunk, e.buffer) if e.buffer is not None else None
+        fail = lambda why: ScheduleError(f'{rk.at()}: {why}')  # noqa: E731
+        if e.kind == 'F':
+            mb = e.micro_batch
+            if mb is None:
+                mb = rk.counts[(it, e.chunk, e.direction, 'F')]
+            rk.counts[(it, e.chunk, e.direction, 'F')] += 1
+            if buf is not None:
+                if buf.act is not None:
+                    raise fail(f'buffer misuse: forward of micro-batch {mb} overwrites the live '
+                               f'activations of micro-batch {buf.act[1]} in buffer {e.buffer}')
+                if up is None and not buf.loaded:
+                    raise fail(f'forward of the first stage on buffer {e.buffer} without a LoadMicroBatch')
+                if up is not None and up[0] != rk.rank and buf.inp != (it, mb):
+                    got = 'nothing' if buf.inp is None else f'micro-batch {buf.inp[1]}'
+                    raise fail(f'forward of micro-batch {mb} but buffer {e.buffer} holds {got} received '
+                               f'from rank {up[0]} (missing or unfinished RecvActivation?)')
+                buf.loaded, buf.inp, buf.act, buf.out = False, None, (it, mb), (it, mb)
+            if up is not None and up[0] == rk.rank and (it, up[1], e.direction, mb) not in rk.forwards:
+                raise fail(f'forward of micro-batch {mb} before its forward on the local upstream chunk {up[1]}')
+            rk.forwards.add((it, e.chunk, e.direction, mb))
+            delta = size
+        elif e.kind in ('B', 'BW'):
+            if buf is None or buf.act is None or buf.b_done:
+                raise fail(f'backward before its forward: buffer {e.buffer} of chunk {e.chunk} holds no '
+                           f'activations awaiting a backward')
+            mb = buf.act[1] if e.micro_batch is None else e.micro_batch
+            if down is not None and down[0] != rk.rank:
+                if buf.grad != buf.act:
+                    raise fail(f'backward of micro-batch {mb} without its gradient from rank {down[0]} '
+                               f'(missing or unfinished RecvGrad?)')
+                if pl.single_grad_slot:
+                    rk.grad_slot = None
+            if down is not None and down[0] == rk.rank and (it, down[1], e.direction, mb) not in rk.backwards:
+                raise fail(f'backward of micro-batch {mb} before its backward on the local downstream chunk {down[1]}')
+            rk.backwards.add((it, e.chunk, e.direction, mb))
+            buf.grad, buf.out, buf.bwd = None, None, (it, mb)
+            if e.kind == 'BW':
+                buf.act, delta = None, -size
+            else:
+                buf.b_done, delta = True, -size / 2
+                rk.pending_w.append((e.chunk, e.buffer))
+            self.any_backward = True
+        elif e.kind == 'W':
+            key = (e.chunk, e.buffer) if e.buffer is not None else next(
+                (k for k in rk.pending_w if k[0] == e.chunk), None)
+            if key not in rk.pending_w:
+                raise fail(f'weight pass on chunk {e.chunk} buffer {e.buffer} with no pending input (B) pass')
+            rk.pending_w.remove(key)
+            buf = rk.buffer(*key)
+            mb = buf.act[1] if e.micro_batch is None else e.micro_batch
+            buf.act, buf.b_done, delta = None, False, -size / 2
+        else:
+            raise fail(f'unknown pass kind {e.kind!r}')
+
+        start = rk.clock
+        rk.clock += self.cost(rk.rank, e.chunk, e.kind, size)
+        rk.memory += delta if e.memory is None else e.memory
+        rk.peak = max(rk.peak, rk.memory)
+        rk.passes.append(Pass(e.kind, pl.stage(rk.rank, e.chunk), e.chunk, mb, start, rk.clock, e.direction,
+                              self.next_pair if e.pair else None, it))
+
+    # -- communication ---------------------------------------------------------------------------
+    def _p2p(self, rk, e):
+        pl, it = self.placement, rk.where[0]
+        is_send = isinstance(e, Send)
+        # activations travel downstream, gradients upstream
+        step = +1 if (e.kind == ACTIVATION) == is_send else -1
+        peer = pl.neighbour(rk.rank, e.chunk, step, e.direction)
+        here = pl.stage(rk.rank, e.chunk)
+        if peer is None or peer[0] == rk.rank:
+            where = 'no such stage' if peer is None else 'it is on this rank'
+            raise ScheduleError(f'{rk.at()}: {e.kind} {"send" if is_send else "receive"} of stage {here} '
+                                f'has no peer rank ({where})')
+        there = pl.stage(*peer)
+        src, dst = (here, there) if is_send else (there, here)
+
+        # The engines send the activation shapes once, with a blocking send/recv at the first
+        # activation instruction of each chunk, even when the data itself is only queued (DualPipeV).
+        # Modelling it keeps its place in the FIFO order exact rather than argued.
+        if pl.tensor_meta and e.kind == ACTIVATION and (is_send, e.chunk) not in rk.meta_done:
+            rk.meta_done.add((is_send, e.chunk))
+            op = _Op(rk.rank, peer[0], is_send, (META, src, dst, e.direction, it, None), rk.at())
+            rk.effects.appendleft(e)  # the data follows once the shapes are through
+            self._post(rk, op)
+            rk.waiting = [op]
+            return
+
+        buf = rk.buffer(e.chunk, e.buffer)
+        on_match = None
+        if is_send and e.kind == ACTIVATION:
+            if buf.out is None:
+                raise ScheduleError(f'{rk.at()}: sends buffer {e.buffer}, which holds no forward output')
+            mb = buf.out
+        elif is_send:
+            if buf.bwd is None:
+                raise ScheduleError(f'{rk.at()}: sends the gradient of buffer {e.buffer}, whose backward has not run')
+            mb, buf.bwd = buf.bwd, None
+        elif e.kind == ACTIVATION:
+            key = (it, e.chunk, e.direction, 'recv')
+            mb = (it, rk.counts[key])
+            rk.counts[key] += 1
+
+            def on_match(buf=buf, mb=mb, at=rk.at()):
+                if buf.inp is not None:
+                    raise ScheduleError(f'{at}: buffer misuse: receives micro-batch {mb[1]} over the '
+                                        f'unused input of micro-batch {buf.inp[1]}')
+                buf.inp = mb
+        else:
+            if buf.out is None:
+                raise ScheduleError(f'{rk.at()}: receives a gradient for buffer {e.buffer}, which holds no forward output')
+            mb = buf.out
+
+            def on_match(buf=buf, mb=mb, rk=rk, at=rk.at()):
+                if self.placement.single_grad_slot and rk.grad_slot is not None:
+                    raise ScheduleError(f'{at}: buffer misuse: the engine keeps one received gradient and this '
+                                        f'one overwrites the unused gradient of micro-batch {rk.grad_slot[1]}')
+                buf.grad = rk.grad_slot = mb
+        op = _Op(rk.rank, peer[0], is_send, (e.kind, src, dst, e.direction, mb[0], mb[1]), rk.at(), on_match)
+        if pl.batched_p2p:
+            rk.queued.append(op)
+        else:
+            self._post(rk, op)
+            rk.waiting = [op]
+
+    def _post(self, rk, op):
+        op.posted = rk.clock
+        key = (op.rank, op.peer) if op.is_send else (op.peer, op.rank)
+        sends, recvs = self.channels.setdefault(key, (deque(), deque()))
+        (sends if op.is_send else recvs).append(op)
+        while sends and recvs:
+            s, r = sends.popleft(), recvs.popleft()
+            if s.msg != r.msg:
+                raise ScheduleError(f'protocol error between rank {s.rank} and rank {r.rank}: {r.where} waits to '
+                                    f'{r.describe()}, but the next message on that channel is {s.where} '
+                                    f'trying to {s.describe()}')
+            s.done = r.done = max(s.posted, r.posted) + self.latency
+            if r.on_match:
+                r.on_match()
+
+    # -- diagnosis -------------------------------------------------------------------------------
+    def _stuck_report(self):
+        stuck = [r for r in self.ranks if not r.finished]
+        lines, orphan = [], True
+        for rk in stuck:
+            for op in (op for op in rk.waiting if op.done is None):
+                peer = self.ranks[op.peer]
+                if peer.finished:
+                    state = 'which has finished its stream'
+                else:
+                    orphan = False
+                    state = f'which is itself blocked at {peer.at()}'
+                lines.append(f'  {rk.at()} waits to {op.describe()}, {state}')
+        if orphan and lines:
+            kinds = {('send with no matching receive' if op.is_send else 'receive without send')
+                     for rk in stuck for op in rk.waiting if op.done is None}
+            head = ' and '.join(sorted(kinds)).capitalize() + ':'
+        else:
+            head = f'Deadlock: ranks {[r.rank for r in stuck]} cannot make progress:'
+        return '\n'.join([head] + lines)
+
+    def _final_checks(self):
+        for rk in self.ranks:
+            if rk.pending_w:
+                raise ScheduleError(f'rank {rk.rank} ended with input (B) passes whose weight (W) pass never ran: '
+                                    f'(chunk, buffer) {rk.pending_w}')
+            live = sorted(k for k, b in rk.buffers.items() if b.act is not None)
+            if live and self.any_backward:
+                raise ScheduleError(f'rank {rk.rank} ended with forwards never followed by a backward: '
+                                    f'(chunk, buffer) {live}')
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+@dataclass
+class SimResult:
+    timeline: Timeline  # one iteration, every rank starting at 0 (synchronised)
+    chained: Optional[Timeline]  # `iterations` iterations back to back, no barrier in between
+    makespan: float  # one synchronised iteration
+    period: float  # steady-state time per iteration when chained (= makespan when iterations < 3)
+    per_rank: list  # dicts: rank, busy, idle_synced, idle_interlocked, peak_activation_memory, params
+    units: str
+
+    def worst(self, key):
+        return max(row[key] for row in self.per_rank)
+
+
+def _cost_function(costs):
+    """None: unit costs (chunk size x F 1, B 1, W 1, BW 2). Else {(rank, chunk): {kind: s}} or f(rank, chunk, kind)."""
+    if costs is None:
+        return lambda rank, chunk, kind, size: _unit_cost(kind, size), 'F'
+    if callable(costs):
+        return lambda rank, chunk, kind, size: costs(rank, chunk, kind), 's'
+
+    def table(rank, chunk, kind, size):
+        c = costs[(rank, chunk)]
+        return c[kind] if kind in c else c['B'] + c['W'] if kind == 'BW' else c['BW'] / 2
+    return table, 's'
+
+
+def _run(factory, placement, stages, micro_batches, iterations, cost, latency):
+    sim = _Simulation(factory, placement, stages, micro_batches, iterations, cost, latency)
+    sim.run()
+    return sim
+
+
+def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5):
+    """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` per iteration.
+
+    schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
+    placement: a Placement subclass (default: the registered one, else StockPlacement).
+    costs: None for unit costs (units 'F'), else per (rank, chunk) seconds (units 's'), see _cost_function.
+    iterations: how many iterations to chain without barrier for the interlocked figures.
+    Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
+    """
+    if isinstance(schedule, str):
+        spec = SCHEDULES[schedule]
+        schedule, placement = spec.factory, placement or spec.placement
+    place = (placement or StockPlacement)(stages)
+    cost, units = _cost_function(costs)
+    meta = {'stages': stages, 'micro_batches': micro_batches}
+
+    one = _run(schedule, place, stages, micro_batches, 1, cost, latency)
+    makespan = max(r.clock for r in one.ranks)
+    timeline = Timeline([r.passes for r in one.ranks], units, dict(meta, iterations=1))
+    chained, period = None, makespan
+    if iterations >= 3:
+        many = _run(schedule, place, stages, micro_batches, iterations, cost, latency)
+        chained = Timeline([r.passes for r in many.ranks], units, dict(meta, iterations=iterations))
+        # The chained run settles into a periodic regime after a short transient; averaging the
+        # last two iterations also covers a regime that alternates between two lengths.
+        n = iterations - 1
+        period = max((r.iteration_end[n] - r.iteration_end[n - 2]) / 2 for r in many.ranks)
+    per_rank = []
+    for r in one.ranks:
+        busy = timeline.busy(r.rank)
+        per_rank.append({'rank': r.rank, 'busy': busy, 'idle_synced': makespan - busy,
+                         'idle_interlocked': period - busy, 'peak_activation_memory': r.peak,
+                         'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
+    return SimResult(timeline, chained, makespan, period, per_rank, units)
+
+
+@dataclass
+class ScheduleSpec:
+    name: str
+    factory: Callable  # (micro_batches, stages, stage_id) -> PipeSchedule; may raise ValueError
+    placement: type  # Placement subclass modelling the engine that runs it
+    description: str = ''
+
+
+SCHEDULES = {}
+
+
+def register_schedule(name, factory, placement=StockPlacement, description=''):
+    """Make a schedule known to the scripts: one line next to its class."""
+    SCHEDULES[name] = ScheduleSpec(name, factory, placement, description)
+
+
+def available_schedules():
+    """Import every module of the `schedules` package (so their registrations run); return the registry."""
+    import schedules
+    for mod in pkgutil.iter_modules(schedules.__path__):
+        if mod.name not in ('plot',):  # the renderer registers nothing and pulls in matplotlib
+            importlib.import_module(f'schedules.{mod.name}')
+    return SCHEDULES
+
+
+register_schedule('1f1b', ds.TrainSchedule, StockPlacement, 'DeepSpeed TrainSchedule on the stock PipelineEngine')
+register_schedule('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
+                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine")
