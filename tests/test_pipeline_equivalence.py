@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from launch import ROOT, launch
+from local_launch import ROOT, launch
 
 MICRO_BATCHES = 8  # per optimizer step, over all data-parallel ranks
 COMMON = ["--model", "gptlite", "--model-size", "tiny", "--steps", "2", "--seed", "3", "--optimizer", "sgd",

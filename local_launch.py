@@ -1,4 +1,5 @@
-"""Start `python train.py ...` as N ranks on this machine, the way a launcher would, with a deadline.
+"""Start `python train.py ...` (or another script) as N ranks on this machine, the way a launcher would,
+with a deadline. Used by the tests and the benchmark scripts.
 
 A deadlocked pipeline must fail the test quickly instead of hanging CI: every rank is killed
 when the deadline passes.
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
 
 
 @dataclass
