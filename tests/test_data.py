@@ -133,8 +133,10 @@ def test_get_tokenizer_uses_tiktoken_cache(monkeypatch, tmp_path, no_network):
 # --- corpora ---------------------------------------------------------------------------------------------------
 
 def test_markdown_to_text():
-    markdown = "# Play\n\n## ACT I\n\n_Enter HAMLET_\n\n**HAMLET**  \nWords, words,  \nwords.\n\n_\\[Aside]_  \nSo\\--\n"
-    assert data.markdown_to_text(markdown) == "Play\n\nACT I\n\nEnter HAMLET\n\nHAMLET:\nWords, words,\nwords.\n\n[Aside]\nSo--\n"
+    markdown = ("# Play\n\n## ACT I\n\n_Enter HAMLET_\n\n**HAMLET**  \nWords, words,  \nwords.\n\n"
+                "_\\[Aside]_  \nSo\\--\n\n\n\n*Exit*\n")
+    expected = "Play\n\nACT I\n\nEnter HAMLET\n\nHAMLET:\nWords, words,\nwords.\n\n[Aside]\nSo--\n\nExit\n"
+    assert data.markdown_to_text(markdown) == expected
 
 
 def test_default_corpus_is_large_plain_text(corpus):

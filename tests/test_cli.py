@@ -1,0 +1,35 @@
+"""Bad input ends with one clear line from rank 0 (exit status 2), never a traceback or a hang."""
+import pytest
+
+from local_launch import launch
+
+CASES = {
+    "unknown-schedule": (["--pipeline-schedule", "nope"], "--pipeline-schedule"),
+    "unknown-model": (["--model", "nope"], "--model"),
+    "unknown-size": (["--model-size", "huge"], "--model-size"),
+    "missing-data-file": (["--data-file", "/no/such/file.txt"], "--data-file"),
+    "offline-hub": (["--dataset", "karpathy/tiny_shakespeare"], "--data-file"),
+    "resume-without-dir": (["--resume"], "--save-dir"),
+}
+
+
+def assert_one_error_line(run, flag):
+    assert run.returncodes and all(rc == 2 for rc in run.returncodes), run.explain()
+    errors = [line for line in run.stderr[0].splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and flag in errors[0], run.stderr[0]
+    for out, err in zip(run.stdout, run.stderr):
+        assert "Traceback" not in out + err
+    for err in run.stderr[1:]:
+        assert "error" not in err  # other ranks stay silent
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_flag_is_one_line(case):
+    flags, flag = CASES[case]
+    assert_one_error_line(launch(1, flags + ["--model-size", "tiny"] * (case != "unknown-size"), timeout=60,
+                                 env={"HF_HUB_OFFLINE": "1"}), flag)
+
+
+def test_stages_must_divide_world_size():
+    run = launch(2, ["--pipeline-parallel-size", "3", "--model-size", "tiny"], timeout=60)
+    assert_one_error_line(run, "--pipeline-parallel-size")
