@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
+from schedules.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class DeepBlock(nn.Module):
 
     def __init__(self, width: int):
         super().__init__()
-        self.fc = nn.Linear(width, width)
+        self.fc = Linear(width, width)
 
     def forward(self, x):
         return F.relu(self.fc(x))

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
 from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
+from schedules.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.qkv = Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -84,8 +85,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTliteConfig):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.proj = Linear(4 * config.n_embd, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -110,7 +111,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class LMHead(nn.Linear):
+class LMHead(Linear):
     """Projection to vocabulary logits (no bias, GPT-2 init)."""
 
     def __init__(self, config: GPTliteConfig):

@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use('Agg')  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 # (light, dark) per kind: first chunk light, second chunk dark.
@@ -22,12 +23,13 @@ COLOURS = {
 }
 KIND_NAMES = {'F': 'forward', 'B': 'backward (inputs)', 'W': 'backward (weights)', 'BW': 'backward'}
 IDLE = '#d9d9d9'
-FADED = 0.3
+FADE = 0.7  # neighbouring iterations: colours mixed this far towards white (opaque, so idle grey stays apart)
 
 
-def _colour(p):
+def _colour(p, faded=False):
     light, dark = COLOURS.get(p.kind, ('#cccccc', '#666666'))
-    return light if p.chunk % 2 == 0 else dark
+    colour = to_rgb(light if p.chunk % 2 == 0 else dark)
+    return tuple(c + (1 - c) * FADE for c in colour) if faded else colour
 
 
 def _label(p):
@@ -46,7 +48,7 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
     length = max(t1 - t0, 1e-9)
     ranks = timeline.num_ranks
     if ax is None:
-        width = min(max(8.0, 0.32 * length), 30.0) if timeline.units == 'F' else 14.0
+        width = min(max(10.0, 0.32 * length), 30.0) if timeline.units == 'F' else 14.0
         fig, ax = plt.subplots(figsize=(width, 0.55 * ranks + 1.6))
     fig = ax.figure
     height = 0.8
@@ -55,7 +57,7 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
     fig.canvas.draw()
     axis_points = ax.get_window_extent().width * 72 / fig.dpi
 
-    kinds, chunks = set(), set()
+    kinds, chunks, any_faded = set(), set(), False
     for rank, row in enumerate(timeline.ranks):
         y = ranks - 1 - rank  # rank 0 on top
         ax.add_patch(Rectangle((0, y - height / 2), length, height, facecolor=IDLE, edgecolor='none', zorder=0))
@@ -64,9 +66,10 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
             if p.end <= t0 or p.start >= t1:
                 continue
             faded = focus_iteration is not None and p.iteration != focus_iteration
+            any_faded |= faded
             start, end = max(p.start, t0) - t0, min(p.end, t1) - t0
-            ax.add_patch(Rectangle((start, y - height / 2), end - start, height, facecolor=_colour(p),
-                                   edgecolor='white', linewidth=0.6, alpha=FADED if faded else 1.0, zorder=1))
+            ax.add_patch(Rectangle((start, y - height / 2), end - start, height, facecolor=_colour(p, faded),
+                                   edgecolor='white', linewidth=0.6, zorder=1))
             if not faded:
                 kinds.add(p.kind)
                 chunks.add(p.chunk % 2)
@@ -75,7 +78,7 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
             if size >= 4:
                 dark = p.chunk % 2 == 1 and not faded
                 ax.text((start + end) / 2, y, _label(p), ha='center', va='center', fontsize=size,
-                        color='white' if dark else 'black', alpha=FADED if faded else 1.0, zorder=3)
+                        color='white' if dark else '#999999' if faded else 'black', zorder=3)
             if p.pair is not None:
                 lo, hi = pairs.get((p.iteration, p.pair), (start, end))
                 pairs[(p.iteration, p.pair)] = (min(lo, start), max(hi, end))
@@ -93,8 +96,9 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
     if reference_end is not None:
         ax.axvline(reference_end, color='black', linestyle='--', linewidth=1.2, zorder=4)
         handles.append(plt.Line2D([], [], color='black', linestyle='--', label=reference_label))
-    if focus_iteration is not None and len(timeline.iterations()) > 1:
-        handles.append(Patch(facecolor=COLOURS['F'][0], alpha=FADED, label='neighbouring iterations'))
+    if any_faded:
+        faded = tuple(c + (1 - c) * FADE for c in to_rgb(COLOURS['F'][1]))
+        handles.append(Patch(facecolor=faded, label='neighbouring iterations (faded)'))
 
     right = max(length, reference_end or 0) * 1.01
     ax.set_xlim(0, right)
@@ -105,7 +109,7 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
     if title:
         ax.set_title(title, fontsize=10, loc='left')
     ax.legend(handles=handles, loc='upper left', bbox_to_anchor=(0, -0.32 if ranks < 4 else -0.18),
-              ncol=min(len(handles), 6), fontsize=8, frameon=False)
+              ncol=min(len(handles), 4), fontsize=8, frameon=False)
     for side in ('top', 'right', 'left'):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

@@ -55,7 +55,7 @@ class Compute:
     buffer: Optional[int] = None
     micro_batch: Optional[int] = None
     direction: Optional[int] = None
-    pair: bool = False
+    pair: object = False  # True: paired with the other computes of this instruction (the simulator numbers it)
     memory: Optional[float] = None
 
 
@@ -247,7 +247,7 @@ class _Rank:
         self.counts = Counter()
         self.forwards, self.backwards = set(), set()  # (iteration, chunk, direction, micro-batch)
         self.pending_w = []  # (chunk, buffer) in B order
-        self.meta_done = set()  # (ACTIVATION send|recv, chunk) after the first shape exchange
+        self.meta_done = set()  # (is_send, chunk) once the activation shapes went through
         self.grad_slot = None  # stock engine: gradient received but not yet used
         self.memory = self.peak = 0.0
         self.passes, self.iteration_end = [], {}
@@ -276,7 +276,6 @@ class _Simulation:
         self.ranks = [_Rank(r, stream(r)) for r in range(ranks)]
         self.channels = {}  # (src, dst) -> (deque of sends, deque of receives), in posting order
         self.next_pair = 0
-        self.any_backward = False
 
     # -- driving ------------------------------------------------------------------------------
     def run(self):
@@ -398,7 +397,6 @@ class _Simulation:
             else:
                 buf.b_done, delta = True, -size / 2
                 rk.pending_w.append((e.chunk, e.buffer))
-            self.any_backward = True
         elif e.kind == 'W':
             key = (e.chunk, e.buffer) if e.buffer is not None else next(
                 (k for k in rk.pending_w if k[0] == e.chunk), None)
@@ -523,7 +521,7 @@ class _Simulation:
                 raise ScheduleError(f'rank {rk.rank} ended with input (B) passes whose weight (W) pass never ran: '
                                     f'(chunk, buffer) {rk.pending_w}')
             live = sorted(k for k, b in rk.buffers.items() if b.act is not None)
-            if live and self.any_backward:
+            if live:
                 raise ScheduleError(f'rank {rk.rank} ended with forwards never followed by a backward: '
                                     f'(chunk, buffer) {live}')
 
@@ -557,41 +555,43 @@ def _cost_function(costs):
     return table, 's'
 
 
-def _run(factory, placement, stages, micro_batches, iterations, cost, latency):
-    sim = _Simulation(factory, placement, stages, micro_batches, iterations, cost, latency)
-    sim.run()
-    return sim
-
-
-def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5):
-    """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` per iteration.
+def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
+             forward_only=False):
+    """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
     placement: a Placement subclass (default: the registered one, else StockPlacement).
-    costs: None for unit costs (units 'F'), else per (rank, chunk) seconds (units 's'), see _cost_function.
-    iterations: how many iterations to chain without barrier for the interlocked figures.
+    costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), see _cost_function.
+    latency: cost of every p2p message. iterations: how many to chain without barrier for the
+    interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
     """
+    name = schedule if isinstance(schedule, str) else getattr(schedule, '__name__', repr(schedule))
     if isinstance(schedule, str):
         spec = SCHEDULES[schedule]
         schedule, placement = spec.factory, placement or spec.placement
     place = (placement or StockPlacement)(stages)
     cost, units = _cost_function(costs)
-    meta = {'stages': stages, 'micro_batches': micro_batches}
+    meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
 
-    one = _run(schedule, place, stages, micro_batches, 1, cost, latency)
-    makespan = max(r.clock for r in one.ranks)
-    timeline = Timeline([r.passes for r in one.ranks], units, dict(meta, iterations=1))
+    def run(n):
+        sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only)
+        sim.run()
+        return sim.ranks
+
+    one = run(1)
+    makespan = max(r.clock for r in one)
+    timeline = Timeline([r.passes for r in one], units, dict(meta, iterations=1))
     chained, period = None, makespan
     if iterations >= 3:
-        many = _run(schedule, place, stages, micro_batches, iterations, cost, latency)
-        chained = Timeline([r.passes for r in many.ranks], units, dict(meta, iterations=iterations))
+        many = run(iterations)
+        chained = Timeline([r.passes for r in many], units, dict(meta, iterations=iterations))
         # The chained run settles into a periodic regime after a short transient; averaging the
         # last two iterations also covers a regime that alternates between two lengths.
         n = iterations - 1
-        period = max((r.iteration_end[n] - r.iteration_end[n - 2]) / 2 for r in many.ranks)
+        period = max((r.iteration_end[n] - r.iteration_end[n - 2]) / 2 for r in many)
     per_rank = []
-    for r in one.ranks:
+    for r in one:
         busy = timeline.busy(r.rank)
         per_rank.append({'rank': r.rank, 'busy': busy, 'idle_synced': makespan - busy,
                          'idle_interlocked': period - busy, 'peak_activation_memory': r.peak,

@@ -8,13 +8,15 @@ chained run, one iteration in full colour and its neighbours faded.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from schedules.plot import plot_timeline  # noqa: E402
-from schedules.simulate import available_schedules, simulate  # noqa: E402
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator notice to stdout on import
+    from schedules.plot import plot_timeline  # noqa: E402
+    from schedules.simulate import available_schedules, simulate  # noqa: E402
 
 
 def main():

@@ -1,0 +1,380 @@
+"""The pipeline-schedule simulator: closed forms, DeepSpeed's DualPipeV, broken streams, extension APIs.
+
+Every broken stream must end in a ScheduleError naming the rank and what it waited on: the
+simulator detects lack of progress, so none of these tests can hang.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from deepspeed.runtime.pipe import schedule as ds
+
+from schedules import simulate as sim
+from schedules.simulate import (Compute, DualPipeVPlacement, ScheduleError, StockPlacement, register_instruction,
+                                register_schedule, simulate)
+from schedules.timeline import Timeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+def perturbed(base, rank, edit, **overrides):
+    """A PipeSchedule running `base` on every rank, with `edit(steps)` applied to rank `rank`'s steps."""
+
+    class Perturbed(ds.PipeSchedule):
+        def __init__(self, micro_batches, stages, stage_id):
+            super().__init__(micro_batches, stages, stage_id)
+            self.inner = base(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+
+        def steps(self):
+            steps = [list(cmds) for cmds in self.inner.steps()]
+            if self.stage_id == rank:
+                edit(steps)
+            yield from steps
+
+    return Perturbed
+
+
+def find(steps, instr_type, nth=0):
+    """(step, index) of the nth instruction of exactly `instr_type`."""
+    return [(s, i) for s, cmds in enumerate(steps) for i, c in enumerate(cmds) if type(c) is instr_type][nth]
+
+
+def check_causality(timeline, stages):
+    """Independent of the simulator's internals: every pass after the ones it needs, no overlap on a rank."""
+    done = {}
+    for rank, row in enumerate(timeline.ranks):
+        for a, b in zip(row, row[1:]):
+            assert a.end <= b.start + 1e-9, f'rank {rank}: {a} overlaps {b}'
+        for p in row:
+            key = (p.kind, p.stage, p.micro_batch, p.iteration)
+            assert key not in done, f'{key} ran twice'
+            done[key] = p
+    for (kind, stage, mb, it), p in done.items():
+        if kind == 'F' and stage > 0:
+            assert done[('F', stage - 1, mb, it)].end <= p.start + 1e-9
+        if kind in ('B', 'BW'):
+            assert done[('F', stage, mb, it)].end <= p.start + 1e-9
+            if stage < stages - 1:
+                assert done[(kind, stage + 1, mb, it)].end <= p.start + 1e-9
+
+
+# ----------------------------------------------------------------------------------------------
+# stock 1F1B against its closed forms
+
+@pytest.mark.parametrize('p', range(2, 9))
+@pytest.mark.parametrize('m', [1, 2, 3, 5, 8, 16])
+def test_1f1b_closed_forms(p, m):
+    r = simulate('1f1b', p, m, iterations=1)
+    # unit costs: F = 1, BW = 2; 1F1B idles (p-1)(F+B) on every rank, whatever M
+    assert r.makespan == 3 * (m + p - 1)
+    for row in r.per_rank:
+        assert row['busy'] == 3 * m
+        assert row['idle_synced'] == 3 * (p - 1)
+        assert row['params'] == 1
+    assert r.per_rank[0]['peak_activation_memory'] == min(p, m)
+    assert r.worst('peak_activation_memory') == min(p, m)
+    check_causality(r.timeline, p)
+
+
+def test_1f1b_interlocked_and_inference():
+    # 1F1B: rank 0 both starts and ends an iteration, so chaining iterations gains nothing.
+    r = simulate('1f1b', 4, 8, iterations=5)
+    assert r.period == r.makespan == 33
+    assert all(row['idle_interlocked'] == 9 for row in r.per_rank)
+    assert r.chained.iterations() == [0, 1, 2, 3, 4]
+    check_causality(r.chained, 4)
+    # Forward-only pipelining: the drain of one batch overlaps the fill of the next.
+    r = simulate(ds.InferenceSchedule, 4, 8, forward_only=True)
+    assert r.makespan == 8 + 3 and r.period == 8
+    assert all(row['idle_synced'] == 3 and row['idle_interlocked'] == 0 for row in r.per_rank)
+
+
+def test_latency_and_costs_in_seconds():
+    # p=2, M=1, latency 0.25: F, shape message + activation (2 latencies), F, BW, gradient, BW.
+    r = simulate('1f1b', 2, 1, latency=0.25, iterations=1)
+    assert r.makespan == 1 + 0.5 + 1 + 2 + 0.25 + 2
+    costs = {(rank, 0): {'F': 2.0, 'B': 1.5, 'W': 2.5} for rank in range(3)}  # BW = B + W = 4 s
+    r = simulate('1f1b', 3, 4, costs=costs, iterations=1)
+    assert r.units == 's' and r.timeline.units == 's'
+    assert r.makespan == (4 + 3 - 1) * 6.0
+    assert r.per_rank[1]['idle_synced'] == 2 * 6.0
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed's DualPipeV
+
+@pytest.mark.parametrize('p,m', [(2, 4), (2, 7), (3, 6), (3, 10), (4, 8), (4, 9), (5, 12), (6, 12)])
+def test_dualpipev_deepspeed_runs_to_completion(p, m):
+    r = simulate('dualpipev-deepspeed', p, m, iterations=3)
+    runs = Counter((p_.kind, p_.stage, p_.micro_batch) for _, p_ in r.timeline.passes())
+    # every micro-batch: exactly one F and one BW on each of the 2p stages, nothing else
+    assert runs == Counter({(k, s, mb): 1 for k in ('F', 'BW') for s in range(2 * p) for mb in range(m)})
+    for rank, row in enumerate(r.timeline.ranks):
+        assert {(x.chunk, x.stage) for x in row} == {(0, rank), (1, 2 * p - 1 - rank)}
+    for row in r.per_rank:
+        assert row['busy'] == 3 * m  # 2 chunks x M x (F 0.5 + BW 1)
+        assert row['params'] == 1  # two half-size chunks
+        # Figures of the simulator itself, checked by hand on the P=2 timeline; with the
+        # backward fused and the batched CommitP2P waiting for all its transfers, DeepSpeed's
+        # DualPipeV idles (5P - 6)/2 on every rank (1F1B: 3P - 3) and holds P + 1/2 micro-batch
+        # activations of a 1F1B stage on every rank (1F1B: P on rank 0).
+        assert row['idle_synced'] == (5 * p - 6) / 2
+        assert row['peak_activation_memory'] == p + 0.5
+    assert r.period == r.makespan  # rank 0 starts and ends each iteration
+    check_causality(r.timeline, 2 * p)
+    check_causality(r.chained, 2 * p)
+
+
+def test_dualpipev_constraints():
+    with pytest.raises(ValueError, match='at least 2 \\* 4 micro-batches'):
+        simulate('dualpipev-deepspeed', 4, 7)
+
+
+def test_dualpipev_tensor_meta_exchange_changes_no_matching():
+    # The engine's blocking shape exchange at the first activation of each phase is modelled; it
+    # matches cleanly and costs only its latency (nothing at zero latency).
+    class NoMeta(DualPipeVPlacement):
+        tensor_meta = False
+    a = simulate(ds.DualPipeVSchedule, 4, 8, placement=DualPipeVPlacement, iterations=1)
+    b = simulate(ds.DualPipeVSchedule, 4, 8, placement=NoMeta, iterations=1)
+    assert a.timeline.to_dict() == b.timeline.to_dict()
+    a = simulate(ds.DualPipeVSchedule, 4, 8, placement=DualPipeVPlacement, latency=0.1, iterations=1)
+    b = simulate(ds.DualPipeVSchedule, 4, 8, placement=NoMeta, latency=0.1, iterations=1)
+    assert a.makespan > b.makespan
+
+
+# ----------------------------------------------------------------------------------------------
+# broken streams are reported, not hung on
+
+def test_receive_posted_before_the_send_it_needs_deadlocks():
+    # rank 0 waits for the gradient of micro-batch 0 before sending its activation
+    def edit(steps):
+        s, i = find(steps, ds.RecvGrad)
+        recv = steps[s].pop(i)
+        s, i = find(steps, ds.SendActivation)
+        steps[s].insert(i, recv)
+    with pytest.raises(ScheduleError) as err:
+        simulate(perturbed(ds.TrainSchedule, 0, edit), 2, 4, iterations=1)
+    msg = str(err.value)
+    assert msg.startswith('Deadlock')
+    assert 'rank 0 (iteration 0, step 1: RecvGrad(buffer_id=0)) waits to receive gradient of stage 1->0 ' \
+           'for micro-batch 0 from rank 1' in msg
+    # rank 1's first receive starts with the engine's tensor-shape message
+    assert 'rank 1 (iteration 0, step 1: RecvActivation(buffer_id=0)) waits to receive tensor-meta of stage 0->1' in msg
+
+
+def test_swapped_receives_match_an_activation_with_a_gradient():
+    # DualPipeV: rank 0 receives phase-1 activations and phase-0 gradients from rank 1 in one
+    # batch; swapping the two receives pairs a gradient receive with an activation send.
+    def edit(steps):
+        for cmds in steps:
+            for i, (a, b) in enumerate(zip(cmds, cmds[1:])):
+                if type(a) is ds.RecvActivation and type(b) is ds.RecvGrad and a.phase == 1:
+                    cmds[i], cmds[i + 1] = b, a
+                    return
+        raise AssertionError('no such batch')
+    with pytest.raises(ScheduleError) as err:
+        simulate(perturbed(ds.DualPipeVSchedule, 0, edit), 2, 4, placement=DualPipeVPlacement, iterations=1)
+    msg = str(err.value)
+    assert msg.startswith('protocol error between rank 1 and rank 0')
+    assert 'rank 0 (iteration 0, step 5: RecvGrad(buffer_id=0, phase=0)) waits to receive gradient' in msg
+    assert 'SendActivation(buffer_id=6, phase=1)) trying to send activation' in msg
+
+
+def test_missing_send_deadlocks():
+    def edit(steps):
+        s, i = find(steps, ds.SendActivation, -1)
+        del steps[s][i]
+    with pytest.raises(ScheduleError) as err:
+        simulate(perturbed(ds.TrainSchedule, 0, edit), 2, 4, iterations=1)
+    msg = str(err.value)
+    assert 'rank 1 (iteration 0, step 7: RecvActivation(buffer_id=1)) waits to receive activation of ' \
+           'stage 0->1 for micro-batch 3 from rank 0, which is itself blocked at rank 0' in msg
+
+
+def test_receive_without_send_and_send_without_receive():
+    extra_recv = perturbed(ds.TrainSchedule, 1, lambda steps: steps.append([ds.RecvActivation(0)]))
+    with pytest.raises(ScheduleError, match=r'(?s)^Receive without send:.*rank 1 .*RecvActivation\(buffer_id=0\)\) '
+                                            r'waits to receive activation .* from rank 0, which has finished'):
+        simulate(extra_recv, 2, 4, iterations=1)
+    extra = [ds.LoadMicroBatch(5), ds.ForwardPass(5), ds.SendActivation(5)]  # a fifth micro-batch
+    with pytest.raises(ScheduleError) as err:
+        simulate(perturbed(ds.TrainSchedule, 0, lambda steps: steps.append(extra)), 2, 4, iterations=1)
+    assert str(err.value).startswith('Send with no matching receive:')
+    assert 'rank 0 (iteration 0, step 10: SendActivation(buffer_id=5)) waits to send activation of stage 0->1 ' \
+           'for micro-batch 4 to rank 1, which has finished its stream' in str(err.value)
+    # sending a buffer whose output the backward already consumed is a misuse
+    resend = perturbed(ds.TrainSchedule, 0, lambda steps: steps.append([ds.SendActivation(0)]))
+    with pytest.raises(ScheduleError, match='rank 0 .*sends buffer 0, which holds no forward output'):
+        simulate(resend, 2, 4, iterations=1)
+
+
+def test_backward_before_forward_and_buffer_misuse():
+    def edit(steps):
+        (s1, i1), (s2, i2) = find(steps, ds.ForwardPass), find(steps, ds.BackwardPass)
+        steps[s1][i1], steps[s2][i2] = steps[s2][i2], steps[s1][i1]
+    with pytest.raises(ScheduleError, match=r'rank 1 \(iteration 0, step 1: BackwardPass\(buffer_id=0\)\): '
+                                            r'backward before its forward'):
+        simulate(perturbed(ds.TrainSchedule, 1, edit), 2, 4, iterations=1)
+
+    class OneBuffer(ds.TrainSchedule):
+        def num_pipe_buffers(self):
+            return 1
+    with pytest.raises(ScheduleError, match='rank 0 .*buffer misuse: forward of micro-batch 1 overwrites'):
+        simulate(OneBuffer, 2, 4, iterations=1)
+
+
+def test_missing_commit_and_unknown_instruction():
+    def edit(steps):  # drop the CommitP2Ps that would launch rank 1's last gradient send
+        s, i = find(steps, ds.SendGrad, -1)
+        steps[s][i + 1:] = [c for c in steps[s][i + 1:] if type(c) is not ds.CommitP2P]
+        for cmds in steps[s + 1:]:
+            cmds[:] = [c for c in cmds if type(c) is not ds.CommitP2P]
+    with pytest.raises(ScheduleError, match='rank 1.*never launched by a CommitP2P: send gradient'):
+        simulate(perturbed(ds.DualPipeVSchedule, 1, edit), 2, 4, placement=DualPipeVPlacement, iterations=1)
+
+    class MyForward(ds.ForwardPass):  # a subclass is not the registered type
+        pass
+    swap = perturbed(ds.TrainSchedule, 0, lambda steps: steps.__setitem__(0, [MyForward(0) if type(c) is
+                                                                              ds.ForwardPass else c for c in steps[0]]))
+    with pytest.raises(ScheduleError, match='rank 0.*does not understand MyForward'):
+        simulate(swap, 2, 4, iterations=1)
+    # DualPipeV's instructions on the stock engine: it has no CommitP2P and no phases
+    with pytest.raises(ScheduleError, match=r'rank 0 .*CommitP2P\(\)\): StockPlacement has no CommitP2P'):
+        simulate(ds.DualPipeVSchedule, 2, 4, placement=StockPlacement, iterations=1)
+    phased = perturbed(ds.TrainSchedule, 1, lambda steps: steps.__setitem__(1, [
+        ds.ForwardPass(c.buffer_id, phase=1) if type(c) is ds.ForwardPass else c for c in steps[1]]))
+    with pytest.raises(ScheduleError, match=r'rank 1: the stock PipelineEngine cannot run ForwardPass\(buffer_id=0, phase=1\)'):
+        simulate(phased, 2, 4, iterations=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# extension APIs
+
+class BackwardInput(ds.BufferOpInstruction):
+    """Input-gradient half of a backward (test-local)."""
+
+
+class BackwardWeight(ds.PipeInstruction):
+    """Weight-gradient half of the oldest pending backward (test-local)."""
+
+
+class ForwardBackward(ds.PipeInstruction):
+    """A forward and a backward run as one unit (test-local)."""
+
+
+register_instruction(BackwardInput, lambda instr, ctx: [Compute('B', ctx.chunk, instr.buffer_id)])
+
+
+@register_instruction(BackwardWeight)
+def _weight(instr, ctx):
+    return [Compute('W', ctx.chunk)]  # no buffer: the oldest pending B of the chunk
+
+
+@register_instruction(ForwardBackward)
+def _forward_backward(instr, ctx):
+    return [Compute('F', ctx.chunk, instr.fwd, pair=True), Compute('BW', ctx.chunk, instr.bwd, pair=True)]
+
+
+class SplitBackward(ds.TrainSchedule):
+    """1F1B with the backward split into B and W and every W deferred to the end (zero-bubble style)."""
+
+    def num_pipe_buffers(self):
+        return self.micro_batches  # activations stay until their W
+
+    def steps(self):
+        for cmds in super().steps():
+            cmds = [BackwardInput(c.buffer_id) if type(c) is ds.BackwardPass else c for c in cmds]
+            if cmds and type(cmds[-1]) is ds.OptimizerStep:
+                cmds[-3:-3] = [BackwardWeight() for _ in range(self.micro_batches)]
+            yield cmds
+
+
+def test_registered_instructions_split_backward():
+    r = simulate(SplitBackward, 2, 4, iterations=3)
+    for rank, row in enumerate(r.timeline.ranks):
+        assert Counter(x.kind for x in row) == {'F': 4, 'B': 4, 'W': 4}
+        assert [x.micro_batch for x in row if x.kind == 'W'] == [0, 1, 2, 3]
+        assert all(x.kind == 'W' for x in row[-4:])
+        assert r.per_rank[rank]['busy'] == 12
+    # F adds 1, B frees half: rank 0 runs F F B F B F B B, rank 1 F B F B F B F B
+    assert [row['peak_activation_memory'] for row in r.per_rank] == [3.0, 2.5]
+    check_causality(r.timeline, 2)
+
+    early_w = perturbed(ds.TrainSchedule, 1, lambda steps: steps[0].insert(0, BackwardWeight()))
+    with pytest.raises(ScheduleError, match=r'rank 1 .*BackwardWeight\(\)\): weight pass .*no pending input'):
+        simulate(early_w, 2, 4, iterations=1)
+
+
+class PairingPlacement(StockPlacement):
+    """A stock-like engine that also runs ForwardBackward(fwd=, bwd=) (the stock one rejects those kwargs)."""
+
+    def chunk_of(self, rank, instr):
+        return 0
+
+
+def test_registered_paired_instruction():
+    def pair_last_stage(steps):  # the last stage's F and BW of one micro-batch as one unit
+        for s, cmds in enumerate(steps):
+            if cmds and type(cmds[-1]) is ds.ForwardPass:
+                fwd = cmds.pop()
+                i = next(i for i, c in enumerate(steps[s + 1]) if type(c) is ds.BackwardPass)
+                steps[s + 1][i] = ForwardBackward(fwd=fwd.buffer_id, bwd=steps[s + 1][i].buffer_id)
+    r = simulate(perturbed(ds.TrainSchedule, 2, pair_last_stage), 3, 5, placement=PairingPlacement, iterations=1)
+    assert r.makespan == simulate('1f1b', 3, 5, iterations=1).makespan
+    last = r.timeline.ranks[2]
+    pairs = Counter(x.pair for x in last)
+    assert None not in pairs and len(pairs) == 5 and set(pairs.values()) == {2}
+    for a, b in zip(last[::2], last[1::2]):
+        assert (a.kind, b.kind, a.pair, a.micro_batch) == ('F', 'BW', b.pair, b.micro_batch)
+    assert all(x.pair is None for x in r.timeline.ranks[0])
+
+
+def test_register_schedule():
+    register_schedule('test-split-backward', SplitBackward, StockPlacement, 'test only')
+    try:
+        assert 'test-split-backward' in sim.available_schedules()
+        assert simulate('test-split-backward', 2, 4).per_rank[0]['busy'] == 12
+    finally:
+        del sim.SCHEDULES['test-split-backward']
+    assert {'1f1b', 'dualpipev-deepspeed'} <= set(sim.available_schedules())
+
+
+# ----------------------------------------------------------------------------------------------
+# timeline format, renderer, table script
+
+def test_timeline_json_round_trip(tmp_path):
+    r = simulate('dualpipev-deepspeed', 2, 4, iterations=3)
+    for timeline in (r.timeline, r.chained):
+        again = Timeline.from_json(timeline.to_json())
+        assert again == timeline
+        assert json.loads(again.to_json()) == timeline.to_dict()
+    r.chained.save(tmp_path / 't.json')
+    assert Timeline.load(tmp_path / 't.json') == r.chained
+
+
+def test_plot_writes_a_png(tmp_path):
+    from schedules.plot import plot_timeline
+    r = simulate(ds.InferenceSchedule, 3, 4, forward_only=True)
+    path = tmp_path / 'x.png'
+    plot_timeline(r.chained, path, title='inference', reference_end=5, focus_iteration=2)
+    assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_schedule_table_json():
+    out = subprocess.run([sys.executable, 'scripts/schedule_table.py', '--stages', '4', '--micro-batches', '6',
+                          '--json'], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = {row['schedule']: row for row in json.loads(out)}
+    keys = {'schedule', 'idle_time', 'idle_time_synced', 'peak_activation_memory', 'params_per_rank', 'per_rank',
+            'units', 'error'}
+    assert all(set(row) == keys for row in rows.values())
+    assert rows['1f1b']['idle_time_synced'] == 9 and rows['1f1b']['error'] is None
+    assert rows['dualpipev-deepspeed']['error'].startswith('DualPipeV needs at least')
+    assert rows['dualpipev-deepspeed']['idle_time'] is None
