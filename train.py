@@ -35,13 +35,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    from schedules import SCHEDULES
+    from schedules.registry import available_schedules
+    trainable = sorted(name for name, spec in available_schedules().items() if spec.trains)
     p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.flag("--pipeline-parallel-size", "--pipeline-num-stages", type=int, default=0, dest="pipeline_parallel_size",
            help="pipeline stages; 0 = no pipeline. World size = data-parallel degree x this.")
     p.flag("--pipeline-spec-layers", action="store_true", help="build stages from LayerSpecs (each rank builds its own)")
-    p.flag("--pipeline-schedule", default="1f1b", choices=sorted(SCHEDULES), help="pipeline schedule")
+    p.flag("--pipeline-schedule", default="1f1b", choices=trainable, help="pipeline schedule")
     p.flag("--partition-method", default=None, help="DeepSpeed partition method (parameters, uniform, type:Block)")
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
@@ -119,6 +120,18 @@ def build_optimizer(cfg: dict, params):
     return __import__("torch").optim.SGD(params, **opt["params"])
 
 
+def check_schedule(name: str, stages: int, micro_batches: int):
+    """Build the schedule once for stage 0 so that its constraints fail here, on every rank alike."""
+    from schedules.registry import SCHEDULES
+    if name != "1f1b" and stages < 2:
+        raise UsageError(f"--pipeline-schedule {name} needs --pipeline-parallel-size >= 2")
+    if stages:
+        try:
+            SCHEDULES[name].factory(micro_batches=micro_batches, stages=stages, stage_id=0)
+        except ValueError as e:
+            raise UsageError(f"--pipeline-schedule {name}: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Data: a function from (split, global micro-batch index) to one (inputs, labels) micro-batch
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +195,7 @@ def main(argv=None):
     dp = world // max(pp, 1)
     cfg = ds_config(args, dp)
     mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    check_schedule(args.pipeline_schedule, pp, gas)
     on_cpu = get_accelerator().device_name() == "cpu"
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

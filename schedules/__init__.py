@@ -1,19 +1,50 @@
-"""Pipeline schedules for DeepSpeed, selected by name (`train.py --pipeline-schedule NAME`);
-their simulator (simulate.py), timelines (timeline.py) and plots (plot.py).
+"""Pipeline schedules for DeepSpeed, selected by name (`train.py --pipeline-schedule NAME`), the
+runtime that executes them, and their simulator.
 
-`SCHEDULES` is the registry: name -> what the schedule is. `initialize(schedule, ...)` is the
-one entry point that builds the engine a schedule needs and returns what
-`deepspeed.initialize` returns; `deepspeed.initialize` itself cannot be told which engine
+    registry.py      name -> schedule class, engine, simulator placement (the one registry)
+    simulate.py      runs every rank's instruction stream without a model -> timeline, idle, memory
+    timeline.py      the timeline schema shared by simulated and traced runs; plot.py draws it
+    instructions.py  BackwardInputPass (B) and BackwardWeightPass (W)
+    weight_grad.py   the Linear layer whose weight gradients a W pass computes later
+    engine.py        SplitBackwardEngine: a PipelineEngine subclass that runs B, W and async sends
+    ordered.py       a PipeSchedule written as one stage's order of F, B, W passes
+    zero_bubble.py   ZB-H1, ZB-H2
+
+`initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
+returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
 class to build.
 """
-SCHEDULES = {
-    "1f1b": "DeepSpeed's stock TrainSchedule (PipeDream-Flush 1F1B) on its stock PipelineEngine",
-}
 
 
-def initialize(schedule: str = "1f1b", **kwargs):
-    """`deepspeed.initialize(**kwargs)` with the engine that runs `schedule`."""
+def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=None, config=None, args=None,
+               **kwargs):
+    """`deepspeed.initialize(...)` for a model trained with pipeline schedule `schedule`.
+
+    Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
+    A schedule registered without an engine class (DeepSpeed's own 1F1B) goes through
+    deepspeed.initialize itself; the others are built the way deepspeed.initialize builds a
+    PipelineEngine, with the registered engine class and the schedule class passed to it.
+    """
     import deepspeed
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(SCHEDULES)}")
-    return deepspeed.initialize(**kwargs)
+    from deepspeed.pipe import PipelineModule
+    from schedules.registry import available_schedules
+
+    specs = available_schedules()
+    if schedule not in specs:
+        raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(specs)}")
+    spec = specs[schedule]
+    if spec.engine is None:
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    config=config, **kwargs)
+    if not isinstance(model, PipelineModule):
+        raise ValueError(f"pipeline schedule '{schedule}' needs a PipelineModule (--pipeline-parallel-size >= 2)")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed import set_optimizer_flags
+
+    mpu = model.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    set_optimizer_flags(config_class, model)
+    engine = spec.engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, mpu=mpu,
+                         config=config, config_class=config_class, schedule_cls=spec.factory, **kwargs)
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

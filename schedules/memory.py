@@ -230,11 +230,16 @@ def machine_info() -> dict:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": ram, "python": platform.python_version(),
             "platform": platform.platform()}
-    for name in ("torch", "deepspeed"):
-        try:
-            info[name] = __import__(name).__version__
-        except Exception:  # noqa: BLE001 - a missing or broken package is just not reported
-            info[name] = None
+    try:
+        import torch
+        info["torch"] = torch.__version__
+    except ImportError:
+        info["torch"] = None
+    try:  # the installed version, without importing deepspeed (slow, and it logs on import)
+        from importlib.metadata import version
+        info["deepspeed"] = version("deepspeed")
+    except Exception:  # noqa: BLE001 - a missing package is just not reported
+        info["deepspeed"] = None
     return info
 
 

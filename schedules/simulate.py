@@ -19,14 +19,14 @@ handler; add a schedule with one `register_schedule` line next to its class (any
 the `schedules` package is imported by `available_schedules()`).
 """
 
-import importlib
-import pkgutil
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from schedules.registry import SCHEDULES, available_schedules, register_schedule  # noqa: F401 (re-exported)
 from schedules.timeline import Pass, Timeline
 
 
@@ -141,6 +141,7 @@ class Placement:
     batched_p2p = False  # sends/receives only queue until CommitP2P
     tensor_meta = True  # the first activation send of each chunk is preceded by a blocking shape message
     single_grad_slot = False  # the engine keeps one received gradient at a time
+    async_sends = False  # sends are posted (isend) and complete later; the stream waits for them at its end
     handlers = {}  # engine-specific overrides of the instruction registry
 
     def __init__(self, ranks):
@@ -249,6 +250,7 @@ class _Rank:
         self.pending_w = []  # (chunk, buffer) in B order
         self.meta_done = set()  # (is_send, chunk) once the activation shapes went through
         self.grad_slot = None  # stock engine: gradient received but not yet used
+        self.in_flight = []  # asynchronous sends not yet known to be complete
         self.memory = self.peak = 0.0
         self.passes, self.iteration_end = [], {}
 
@@ -300,6 +302,11 @@ class _Simulation:
                 rk.waiting = []
             if not rk.effects:
                 nxt = next(rk.steps, None)
+                if rk.in_flight and (nxt is None or nxt[0] != rk.where[0]):
+                    # an engine with asynchronous sends waits for them before its batch ends
+                    rk.steps = itertools.chain([nxt] if nxt is not None else [], rk.steps)
+                    rk.waiting, rk.in_flight = rk.in_flight, []
+                    continue
                 if rk.where is not None and (nxt is None or nxt[0] != rk.where[0]):
                     rk.iteration_end[rk.where[0]] = rk.clock
                 if nxt is None:
@@ -477,7 +484,10 @@ class _Simulation:
             rk.queued.append(op)
         else:
             self._post(rk, op)
-            rk.waiting = [op]
+            if is_send and pl.async_sends:
+                rk.in_flight.append(op)
+            else:
+                rk.waiting = [op]
 
     def _post(self, rk, op):
         op.posted = rk.clock
@@ -599,31 +609,6 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     return SimResult(timeline, chained, makespan, period, per_rank, units)
 
 
-@dataclass
-class ScheduleSpec:
-    name: str
-    factory: Callable  # (micro_batches, stages, stage_id) -> PipeSchedule; may raise ValueError
-    placement: type  # Placement subclass modelling the engine that runs it
-    description: str = ''
-
-
-SCHEDULES = {}
-
-
-def register_schedule(name, factory, placement=StockPlacement, description=''):
-    """Make a schedule known to the scripts: one line next to its class."""
-    SCHEDULES[name] = ScheduleSpec(name, factory, placement, description)
-
-
-def available_schedules():
-    """Import every module of the `schedules` package (so their registrations run); return the registry."""
-    import schedules
-    for mod in pkgutil.iter_modules(schedules.__path__):
-        if mod.name not in ('plot',):  # the renderer registers nothing and pulls in matplotlib
-            importlib.import_module(f'schedules.{mod.name}')
-    return SCHEDULES
-
-
-register_schedule('1f1b', ds.TrainSchedule, StockPlacement, 'DeepSpeed TrainSchedule on the stock PipelineEngine')
+register_schedule('1f1b', ds.TrainSchedule, StockPlacement, "DeepSpeed's TrainSchedule (1F1B) on its stock PipelineEngine")
 register_schedule('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
-                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine")
+                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine", trains=False)

@@ -47,6 +47,27 @@ def apply_weight_grads(queue, backward=torch.autograd.backward):
         backward(params, grads)
 
 
+class DeferredLinearGrad:
+    """The weight-gradient work of one linear layer for one micro-batch: what W will compute.
+
+    Holds exactly what that needs: the layer's input and its output gradient.
+    """
+    __slots__ = ('weight', 'bias', 'x', 'grad_out')
+
+    def __init__(self, weight, bias, x, grad_out):
+        self.weight, self.bias, self.x, self.grad_out = weight, bias, x, grad_out
+
+    def __call__(self):
+        """[(parameter, its gradient)] for this micro-batch."""
+        g = self.grad_out.reshape(-1, self.grad_out.shape[-1])
+        out = []
+        if self.weight is not None:
+            out.append((self.weight, g.t() @ self.x.reshape(-1, self.x.shape[-1])))
+        if self.bias is not None:
+            out.append((self.bias, g.sum(0)))
+        return out
+
+
 class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
@@ -58,24 +79,15 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        bias = ctx.bias
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-
-        def weight_grads():
-            g = grad_out.reshape(-1, grad_out.shape[-1])
-            out = []
-            if want_w:
-                out.append((weight, g.t() @ x.reshape(-1, x.shape[-1])))
-            if want_b:
-                out.append((bias, g.sum(0)))
-            return out
-
-        if _queue is not None and (want_w or want_b):
-            _queue.append(weight_grads)
+        want_b = ctx.bias is not None and ctx.needs_input_grad[2]
+        work = DeferredLinearGrad(weight if ctx.needs_input_grad[1] else None, ctx.bias if want_b else None,
+                                  x, grad_out)
+        if _queue is not None and (work.weight is not None or work.bias is not None):
+            _queue.append(work)
             return grad_x, None, None
-        grads = dict((id(p), g) for p, g in weight_grads())
-        return grad_x, grads.get(id(weight)), grads.get(id(bias)) if bias is not None else None
+        grads = {id(p): g for p, g in work()}
+        return grad_x, grads.get(id(weight)), grads.get(id(ctx.bias))
 
 
 class Linear(nn.Linear):

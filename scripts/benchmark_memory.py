@@ -17,24 +17,27 @@ measures:
 - peak RSS:    the rank's RSS high-water mark over its whole life (model, optimizer state,
                gradients, activations, communication buffers).
 Prints a table per rank, a summary per (stages, build) with the LayerSpec build's saving, and
-writes memory.json and memory.png to --out.
+writes memory.json (raw), memory.txt (the tables) and memory.png to --out.
 
 RSS honesty: before each RSS reading the worker runs gc.collect() and glibc malloc_trim(0)
 (schedules.memory.release_free_memory), so freed tensors that glibc kept in its heap do not
-count; RSS deltas then measure live memory, not the allocator's history.
+count; RSS deltas then measure live memory, not the allocator's history. (The JSON also keeps
+`build_rss_untrimmed`: with `type:Block` the build only allocates and the two agree; with
+`parameters`, untrimmed RSS kept 0.3-17 MiB of freed layers per rank on the reference machine.)
 
 Partition method (both builds use the same): default `type:Block`, which balances the
 transformer blocks, so with n_layer=8 every one of 8 stages gets one block and the embedding
 (stage 0) and LM head (last stage) ride along. DeepSpeed's default `parameters` balances
 parameter counts, which GPTlite's 50257-token embedding and head dominate: they get stages of
-their own. `parameters` also builds every LayerSpec once, one at a time, to count its
-parameters (PipelineModule._count_layer_params); the layers are freed again, so with
-malloc_trim the retained build RSS does not change, but the build peak grows by the largest
-layer (the embedding or head) on every rank. Try `--partition-method parameters` to see it.
+their own, and at 8 stages the middle stages hold 1-2 blocks each. `parameters` also builds
+every LayerSpec once, one at a time, to count its parameters (PipelineModule._count_layer_params);
+the layers are freed again, so after malloc_trim the retained build RSS is unchanged, but the
+build peak of every rank grows by about the largest layer (embedding / head, 74 MiB for medium):
+measured at 8 stages, LayerSpec build, 10.7 MiB retained vs 83-91 MiB peak on a one-block rank.
+`--partition-method parameters` shows it.
 """
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -115,6 +118,7 @@ def worker(args):
                               model_size=args.model_size, partition_method=args.partition_method,
                               n_layer=args.n_layer, block_size=args.block_size)
     build_peak = memory.peak_rss_bytes()
+    build_rss_untrimmed = memory.rss_bytes() - base_rss  # for comparison: before gc + malloc_trim
     memory.release_free_memory()
     build_rss = memory.rss_bytes() - base_rss
 
@@ -147,6 +151,7 @@ def worker(args):
 
     result = dict(rank=rank, stage=engine.stage_id, stages=args.num_stages, build=BUILDS[args.spec],
                   layers=layers, first_layer=int(model._local_start), base_rss=base_rss, build_rss=build_rss,
+                  build_rss_untrimmed=build_rss_untrimmed,
                   build_peak=build_peak - base_rss if can_reset else None, param_bytes=param_bytes,
                   peak_saved=tracker.peak_bytes, saved_left_after_step=tracker.live_bytes,
                   total_saved=tracker.total_bytes, after_step_rss=after_step_rss, peak_rss=max(peaks),

@@ -1,0 +1,129 @@
+"""A DeepSpeed PipelineEngine that runs split-backward schedules (ZB-H1, ZB-H2, ...).
+
+Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
+
+- `BackwardInputPass` (B): the stock backward of one micro-batch, run while `Linear` layers
+  defer their weight gradients (schedules/weight_grad.py); the deferred work is kept per buffer.
+- `BackwardWeightPass` (W): runs that work, oldest first, accumulating into `.grad`.
+- `SendActivation` / `SendGrad`: asynchronous (`isend`). The stock engine sends with a blocking
+  rendezvous, so a stage that sends early waits for its peer; zero-bubble schedules send as soon
+  as a pass ends and go on computing. Sends complete before the batch ends (and before the
+  gradient reduction); received data arrives in posting order per pair of ranks.
+
+One value per engine in the stock engine becomes one per micro-batch where a split schedule
+needs it: the last stage's loss (its B may come after later forwards).
+"""
+from collections import defaultdict, deque
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe import schedule as ds
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from schedules.instructions import BackwardInputPass, BackwardWeightPass
+from schedules.simulate import StockPlacement
+from schedules.weight_grad import apply_weight_grads, defer_weight_grads
+
+
+class SplitBackwardEngine(PipelineEngine):
+    """PipelineEngine running a `schedule_cls` whose streams may split the backward into B and W."""
+
+    def __init__(self, *args, schedule_cls, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.schedule_cls = schedule_cls
+        self._losses = {}                        # buffer_id -> last stage's loss of that micro-batch
+        self._deferred = defaultdict(deque)      # buffer_id -> queues of weight-gradient work (FIFO)
+        self._sends = []                         # (work, tensor) of sends in flight
+        self._last_recv_grad = None
+
+    def _train_schedule(self):
+        return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_schedule(self, pipe_schedule):
+        try:
+            super()._exec_schedule(pipe_schedule)
+        finally:
+            self._wait_sends()
+        if any(self._deferred.values()):
+            raise RuntimeError(f"{type(pipe_schedule).__name__} left weight-gradient passes undone on stage "
+                               f"{self.stage_id}: every BackwardInputPass needs its BackwardWeightPass")
+
+    # --- compute --------------------------------------------------------------------------
+    def _exec_forward_pass(self, buffer_id):
+        super()._exec_forward_pass(buffer_id)
+        if self.is_last_stage() and self.module.training:
+            self._losses[buffer_id] = self.loss
+
+    def _exec_backward_input_pass(self, buffer_id):
+        if self.is_last_stage():
+            self.loss = self._losses.pop(buffer_id)
+        elif self._last_recv_grad != buffer_id:
+            raise RuntimeError(f"stage {self.stage_id}: BackwardInputPass({buffer_id}) must directly follow "
+                               f"RecvGrad({buffer_id}) (the engine keeps one received gradient)")
+        with defer_weight_grads() as queue:
+            super()._exec_backward_pass(buffer_id)
+        self._last_recv_grad = None
+        self._deferred[buffer_id].append(queue)
+
+    def _exec_backward_weight_pass(self, buffer_id):
+        if not self._deferred[buffer_id]:
+            raise RuntimeError(f"stage {self.stage_id}: BackwardWeightPass({buffer_id}) has no pending "
+                               f"BackwardInputPass")
+        queue = self._deferred[buffer_id].popleft()
+        bf16 = self.using_bf16_optimizer
+        if bf16:  # the BF16 optimizer moves low-precision grads to fp32 after each pass: only W's new ones
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True  # DeepSpeed refuses backward calls it did not start
+        try:
+            apply_weight_grads(queue)
+        finally:
+            self._running_engine_backward = False
+        if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _exec_backward_pass(self, buffer_id):  # a fused backward: B then W at once
+        self._exec_backward_input_pass(buffer_id)
+        self._exec_backward_weight_pass(buffer_id)
+
+    # --- point to point -------------------------------------------------------------------
+    def _isend(self, tensor, stage):
+        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=stage)), tensor))
+
+    def _wait_sends(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def _exec_send_activations(self, buffer_id):
+        outputs = self.pipe_buffers['outputs'][buffer_id]
+        if not torch.is_tensor(outputs):
+            raise NotImplementedError("split-backward schedules pass one tensor between stages")
+        if self.first_output_send:  # shapes are exchanged once, as in the stock engine
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        self._isend(outputs, self.next_stage)
+
+    def _exec_send_grads(self, buffer_id):
+        inputs = self.pipe_buffers['inputs'][buffer_id]
+        self._isend(inputs.grad, self.prev_stage)
+        self.pipe_buffers['inputs'][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        super()._exec_recv_grads(buffer_id)
+        self._last_recv_grad = buffer_id
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds.ForwardPass: _exec_forward_pass,
+        ds.BackwardPass: _exec_backward_pass,
+        ds.SendActivation: _exec_send_activations,
+        ds.SendGrad: _exec_send_grads,
+        ds.RecvGrad: _exec_recv_grads,
+        BackwardInputPass: _exec_backward_input_pass,
+        BackwardWeightPass: _exec_backward_weight_pass,
+    }
+
+
+class SplitBackwardPlacement(StockPlacement):
+    """The simulator's model of SplitBackwardEngine: the stock one, with asynchronous sends."""
+    async_sends = True

@@ -1,0 +1,35 @@
+"""The one registry of pipeline schedules: name -> schedule class, the engine that runs it, and
+the simulator's model of that engine. `train.py --pipeline-schedule`, `schedules.initialize`,
+the simulator, the table and the diagrams all read it. A schedule registers itself with one
+`register_schedule(...)` line next to its class.
+"""
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass
+class ScheduleSpec:
+    name: str
+    factory: Callable  # (micro_batches, stages, stage_id) -> PipeSchedule; may raise ValueError
+    placement: type  # the simulator's Placement subclass modelling the engine that runs it
+    description: str = ''
+    engine: Optional[type] = None  # PipelineEngine subclass taking schedule_cls=; None: DeepSpeed's own choice
+    trains: bool = True  # train.py can run it
+
+
+SCHEDULES = {}
+
+
+def register_schedule(name, factory, placement, description='', engine=None, trains=True):
+    SCHEDULES[name] = ScheduleSpec(name, factory, placement, description, engine, trains)
+
+
+def available_schedules():
+    """Import every module of the `schedules` package (so their registrations run); return the registry."""
+    import schedules
+    for mod in pkgutil.iter_modules(schedules.__path__):
+        if mod.name not in ('plot', ):  # the renderer registers nothing and pulls in matplotlib
+            importlib.import_module(f'schedules.{mod.name}')
+    return SCHEDULES

@@ -1,0 +1,100 @@
+"""The backward split into B and W (schedules/weight_grad.py), on the models themselves, in one process.
+
+B computes input gradients and the gradients of non-linear-layer parameters; W computes the
+linear layers' weight gradients later; together they equal the fused backward, and each does
+about half of its matrix-multiply FLOPs.
+"""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import deep_model
+import gptlite
+from schedules.memory import SavedTensorTracker
+from schedules.weight_grad import Linear, apply_weight_grads, defer_weight_grads
+
+
+def gpt_stage():
+    """Blocks, final LayerNorm and head of the tiny GPTlite: a middle-to-last pipeline stage."""
+    layers = gptlite.GPTlite(gptlite.MODEL_SIZES["tiny"]).to_layers()[1:]
+    return torch.nn.Sequential(*layers)
+
+
+def deep_stage():
+    return torch.nn.Sequential(*deep_model.DeepModel(deep_model.DeepConfig(width=64, depth=4)).to_layers())
+
+
+def inputs(stage):
+    torch.manual_seed(0)
+    width = 32 if isinstance(stage[0], gptlite.Block) else 64
+    shape = (4, 32, width) if isinstance(stage[0], gptlite.Block) else (16, width)
+    return torch.randn(*shape, requires_grad=True)
+
+
+def loss_of(stage, x):
+    return (stage(x) ** 2).mean()
+
+
+@pytest.mark.parametrize("make", [gpt_stage, deep_stage], ids=["gptlite", "deep"])
+def test_b_then_w_equals_fused_backward(make):
+    stage = make()
+    x = inputs(stage)
+    loss_of(stage, x).backward()
+    fused = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    fused_x = x.grad.clone()
+    stage.zero_grad(set_to_none=True)
+    x.grad = None
+
+    with defer_weight_grads() as queue:  # B
+        loss_of(stage, x).backward()
+    linear = {n for n, m in stage.named_modules() if isinstance(m, Linear) for n in (f"{n}.weight", f"{n}.bias")}
+    assert torch.allclose(x.grad, fused_x, atol=1e-6)
+    for name, p in stage.named_parameters():
+        if name in linear:
+            assert p.grad is None, f"{name} got its gradient in B"
+        else:
+            assert torch.allclose(p.grad, fused[name], atol=1e-6), name
+    assert queue
+
+    apply_weight_grads(queue)  # W
+    assert not queue
+    for name, p in stage.named_parameters():
+        assert torch.allclose(p.grad, fused[name], atol=1e-6), name
+
+
+def matmul_flops(fn):
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return sum(n for op, n in counter.get_flop_counts()["Global"].items() if "mm" in str(op) or "bmm" in str(op))
+
+
+@pytest.mark.parametrize("make,low,high", [(deep_stage, 0.49, 0.51), (gpt_stage, 0.40, 0.60)], ids=["deep", "gptlite"])
+def test_b_and_w_each_do_about_half_of_the_backward_matmuls(make, low, high):
+    stage = make()
+    x = inputs(stage)
+    loss = loss_of(stage, x)
+    fused = matmul_flops(lambda: loss.backward())
+    loss = loss_of(stage, x)
+    with defer_weight_grads() as queue:
+        b = matmul_flops(lambda: loss.backward())
+    w = matmul_flops(lambda: apply_weight_grads(queue))
+    assert b + w == fused
+    assert low <= b / fused <= high and low <= w / fused <= high, (b, w, fused)
+
+
+def test_between_b_and_w_only_the_linear_inputs_and_output_grads_are_kept():
+    """B frees the micro-batch's autograd graph; the queue holds each linear layer's input and output gradient."""
+    stage = gpt_stage()
+    x = inputs(stage)
+    params = list(stage.parameters())
+    with SavedTensorTracker(ignore=params) as tracker:
+        loss = loss_of(stage, x)
+        saved_after_forward = tracker.live_bytes
+        with defer_weight_grads() as queue:
+            loss.backward()
+        assert saved_after_forward > 0 and tracker.live_bytes == 0
+    # what the queue keeps: each linear layer's input and output gradient, nothing else
+    tokens = x.shape[0] * x.shape[1]
+    expected = sum((m.in_features + m.out_features) * tokens * 4 for m in stage.modules() if isinstance(m, Linear))
+    held = sum(t.numel() * t.element_size() for work in queue for t in (work.x, work.grad_out))
+    assert held == expected
