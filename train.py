@@ -102,8 +102,9 @@ def ds_config(args, dp_world: int) -> dict:
         opt["params"]["lr"] = args.lr
     if "scheduler" in cfg:
         cfg["scheduler"]["params"]["total_num_steps"] = args.steps
-    if args.bf16:
+    if args.bf16:  # bf16 weights and activations, gradients accumulated in fp32 (DeepSpeed's BF16 optimizer)
         cfg["bf16"] = {"enabled": True}
+        cfg.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     if args.pipeline_parallel_size and args.activation_checkpoint_interval:
         cfg.setdefault("pipeline", {})["activation_checkpoint_interval"] = args.activation_checkpoint_interval
     return cfg
@@ -135,11 +136,17 @@ def check_schedule(name: str, stages: int, micro_batches: int):
 # ---------------------------------------------------------------------------------------------
 # Data: a function from (split, global micro-batch index) to one (inputs, labels) micro-batch
 # ---------------------------------------------------------------------------------------------
-def micro_batch_source(args, micro_batch_size: int):
+def micro_batch_source(args, micro_batch_size: int, bf16: bool):
     if args.model == "deep":
+        import torch
         from deep_model import synthetic_micro_batch
-        return lambda split, index: synthetic_micro_batch(index + (1 << 30 if split == "val" else 0),
-                                                          micro_batch_size, args.deep_width, args.seed)
+        dtype = torch.bfloat16 if bf16 else torch.float32  # float inputs and targets in the model's precision
+
+        def deep_batch(split, index):
+            x, y = synthetic_micro_batch(index + (1 << 30 if split == "val" else 0), micro_batch_size, args.deep_width,
+                                         args.seed)
+            return x.to(dtype), y.to(dtype)
+        return deep_batch
     import data
     from gptlite import MODEL_SIZES
     windows = data.TokenWindows(data.load_tokens(args.dataset, args.data_file), MODEL_SIZES[args.model_size].block_size)
@@ -200,7 +207,7 @@ def main(argv=None):
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    batch_of = micro_batch_source(args, mbs)  # data errors surface before any process waits on another
+    batch_of = micro_batch_source(args, mbs, cfg.get("bf16", {}).get("enabled", False))  # data errors surface before any process waits on another
 
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl", timeout=timedelta(seconds=args.dist_timeout))
     rank = dist.get_rank()
@@ -257,6 +264,9 @@ def main(argv=None):
         if path is None:
             raise UsageError(f"--resume: no checkpoint found in --save-dir {args.save_dir}")
         start = client_state["step"]
+    for path in (args.metrics_file, args.export):
+        if path and rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     metrics = open(args.metrics_file, "a" if args.resume else "w") if args.metrics_file and rank == 0 else None
 
     def log(record):

@@ -11,7 +11,8 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   gradient reduction); received data arrives in posting order per pair of ranks.
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
-needs it: the last stage's loss (its B may come after later forwards).
+needs it: the last stage's loss (its B may come after later forwards) and the received output
+gradient (deferred W work may still hold it when the next one arrives).
 """
 from collections import defaultdict, deque
 
@@ -33,8 +34,8 @@ class SplitBackwardEngine(PipelineEngine):
         self.schedule_cls = schedule_cls
         self._losses = {}                        # buffer_id -> last stage's loss of that micro-batch
         self._deferred = defaultdict(deque)      # buffer_id -> queues of weight-gradient work (FIFO)
+        self._grads = {}                         # buffer_id -> received output gradient
         self._sends = []                         # (work, tensor) of sends in flight
-        self._last_recv_grad = None
 
     def _train_schedule(self):
         return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -57,12 +58,11 @@ class SplitBackwardEngine(PipelineEngine):
     def _exec_backward_input_pass(self, buffer_id):
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
-        elif self._last_recv_grad != buffer_id:
-            raise RuntimeError(f"stage {self.stage_id}: BackwardInputPass({buffer_id}) must directly follow "
-                               f"RecvGrad({buffer_id}) (the engine keeps one received gradient)")
+        else:
+            self.grad_layer = self._grads.pop(buffer_id)
         with defer_weight_grads() as queue:
             super()._exec_backward_pass(buffer_id)
-        self._last_recv_grad = None
+        self.grad_layer = None
         self._deferred[buffer_id].append(queue)
 
     def _exec_backward_weight_pass(self, buffer_id):
@@ -109,8 +109,13 @@ class SplitBackwardEngine(PipelineEngine):
         self.pipe_buffers['inputs'][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id):
-        super()._exec_recv_grads(buffer_id)
-        self._last_recv_grad = buffer_id
+        # A fresh tensor per micro-batch, not the stock engine's one reused buffer: autograd hands
+        # the received gradient itself (through residual adds) to the last linear layers, whose
+        # deferred W work keeps it until it runs, after later gradients have arrived.
+        outputs = self.pipe_buffers['outputs'][buffer_id]
+        grad = torch.empty_like(outputs)
+        dist.recv(grad, self.grid.stage_to_global(stage_id=self.next_stage))
+        self._grads[buffer_id] = grad
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -125,5 +130,7 @@ class SplitBackwardEngine(PipelineEngine):
 
 
 class SplitBackwardPlacement(StockPlacement):
-    """The simulator's model of SplitBackwardEngine: the stock one, with asynchronous sends."""
+    """The simulator's model of SplitBackwardEngine: the stock one, with asynchronous sends and a
+    received gradient kept per micro-batch."""
     async_sends = True
+    single_grad_slot = False

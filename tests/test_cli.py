@@ -10,6 +10,7 @@ CASES = {
     "missing-data-file": (["--data-file", "/no/such/file.txt"], "--data-file"),
     "offline-hub": (["--dataset", "karpathy/tiny_shakespeare"], "--data-file"),
     "resume-without-dir": (["--resume"], "--save-dir"),
+    "schedule-without-pipeline": (["--pipeline-schedule", "zb-h1"], "--pipeline-parallel-size"),
 }
 
 
@@ -33,3 +34,9 @@ def test_bad_flag_is_one_line(case):
 def test_stages_must_divide_world_size():
     run = launch(2, ["--pipeline-parallel-size", "3", "--model-size", "tiny"], timeout=60)
     assert_one_error_line(run, "--pipeline-parallel-size")
+
+
+def test_schedule_constraints_are_one_line():
+    run = launch(2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--gradient-accumulation-steps",
+                     "2", "--model-size", "tiny"], timeout=60)
+    assert_one_error_line(run, "--gradient-accumulation-steps >= 3")

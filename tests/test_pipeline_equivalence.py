@@ -20,19 +20,26 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def sgd_config(tmp_path_factory):
-    """ds_config.json without the LR schedule and clipping: clipping would also hide a wrong gradient scale."""
-    cfg = json.loads((ROOT / "ds_config.json").read_text())
-    cfg.pop("scheduler")
-    cfg["gradient_clipping"] = 0.0
-    path = tmp_path_factory.mktemp("cfg") / "sgd.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    """ds_config.json without the LR schedule and clipping (clipping would also hide a wrong
+    gradient scale), with ZeRO stage 0 or 1."""
+    made = {}
+
+    def config(zero=1):
+        if zero not in made:
+            cfg = json.loads((ROOT / "ds_config.json").read_text())
+            cfg.pop("scheduler")
+            cfg["gradient_clipping"] = 0.0
+            cfg["zero_optimization"]["stage"] = zero
+            made[zero] = tmp_path_factory.mktemp("cfg") / f"sgd-zero{zero}.json"
+            made[zero].write_text(json.dumps(cfg))
+        return made[zero]
+    return config
 
 
-def train(tmp_path, nprocs, flags, config, dp=1, timeout=240):
-    metrics, export = tmp_path / "metrics.jsonl", tmp_path / "weights.pt"
+def train(tmp_path, nprocs, flags, config, micro_batches=MICRO_BATCHES, dp=1, timeout=240):
+    metrics, export = tmp_path / "metrics.jsonl", tmp_path / "weights.pt"  # train.py creates the folder
     run = launch(nprocs, COMMON + ["--deepspeed_config", config, "--gradient-accumulation-steps",
-                                   MICRO_BATCHES // dp, "--metrics-file", metrics, "--export", export] + flags,
+                                   micro_batches // dp, "--metrics-file", metrics, "--export", export] + flags,
                  timeout=timeout)
     assert run.ok, run.explain()
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
@@ -40,9 +47,21 @@ def train(tmp_path, nprocs, flags, config, dp=1, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def reference(sgd_config, tmp_path_factory):
-    """One rank, no pipeline."""
-    return train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"], sgd_config)
+def references(sgd_config, tmp_path_factory):
+    """One rank, no pipeline, per number of micro-batches per step."""
+    made = {}
+
+    def reference(micro_batches=MICRO_BATCHES):
+        if micro_batches not in made:
+            made[micro_batches] = train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"],
+                                        sgd_config(), micro_batches)
+        return made[micro_batches]
+    return reference
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
 
 
 def initial_weights():
@@ -82,7 +101,45 @@ def test_reference_really_trains(reference):
 def test_pipeline_matches_non_pipelined(nprocs, flags, sgd_config, reference, tmp_path):
     pp = int(flags[1])
     dp = nprocs // max(pp, 1)
-    assert_same_training(train(tmp_path, nprocs, flags, sgd_config, dp=dp), reference)
+    assert_same_training(train(tmp_path, nprocs, flags, sgd_config(), dp=dp), reference)
+
+
+# Zero-bubble schedules (split backward) against the same non-pipelined runs, which stock 1F1B
+# matches above: p = 2 and 4, several micro-batch counts, both builds, activation checkpointing,
+# ZeRO 0 and 1, data parallelism beside the pipeline.
+ZB_CASES = {
+    "zb-h1-pp2-m8": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 8, 1),
+    "zb-h1-pp2-m4-spec-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                    "--pipeline-spec-layers"], 4, 0),
+    "zb-h1-pp4-m8-spec-ckpt1": (4, ["--pipeline-parallel-size", "4", "--pipeline-schedule", "zb-h1",
+                                    "--pipeline-spec-layers", "--activation-checkpoint-interval", "1"], 8, 1),
+    "zb-h2-pp2-m4-ckpt2-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2",
+                                     "--activation-checkpoint-interval", "2"], 4, 0),
+    "zb-h2-pp4-m8-spec": (4, ["--pipeline-parallel-size", "4", "--pipeline-schedule", "zb-h2",
+                              "--pipeline-spec-layers", "--partition-method", "uniform"], 8, 1),
+    "zb-h2-pp2xdp2-m8": (4, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2",
+                             "--pipeline-spec-layers"], 8, 1),
+}
+
+
+@pytest.mark.parametrize("case", ZB_CASES)
+def test_zero_bubble_matches_non_pipelined(case, sgd_config, references, tmp_path):
+    nprocs, flags, micro_batches, zero = ZB_CASES[case]
+    dp = nprocs // int(flags[1])
+    result = train(tmp_path, nprocs, flags, sgd_config(zero), micro_batches, dp=dp)
+    assert_same_training(result, references(micro_batches))
+
+
+def test_zero_bubble_bf16_matches_stock_1f1b(sgd_config, tmp_path):
+    """bf16 with DeepSpeed's BF16 optimizer, which moves gradients to fp32 after every backward
+    pass: gradients that W writes later must reach it too. Same arithmetic, so equal weights."""
+    flags = ["--pipeline-parallel-size", "2", "--bf16"]
+    stock = train(tmp_path / "1f1b", 2, flags, sgd_config(1), 4)
+    split = train(tmp_path / "zb", 2, flags + ["--pipeline-schedule", "zb-h1"], sgd_config(1), 4)
+    assert split[0] == stock[0]
+    for name, ref in stock[1].items():
+        assert ref.dtype == torch.bfloat16
+        assert torch.equal(split[1][name], ref), name
 
 
 def test_resume_gives_the_same_next_losses(tmp_path):

@@ -1,0 +1,22 @@
+"""W really is deferred in the running engine: it executes its schedule's stream in order, and
+weight gradients appear only with the W passes."""
+import json
+
+import pytest
+
+from local_launch import launch
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
+def test_engine_executes_the_stream_and_defers_weight_gradients(schedule):
+    run = launch(2, [schedule], script="tests/split_engine_probe.py", timeout=120)
+    assert run.ok, run.explain()
+    for out in run.stdout:
+        seen = json.loads(out.strip().splitlines()[-1])
+        assert seen["executed"] == [list(x) for x in seen["stream"]]
+        assert [k for k, _ in seen["executed"]].count("W") == 4
+        linear_b, other_b = seen["after_first_b"]
+        linear_w, other_w = seen["after_first_w"]
+        assert linear_b and not any(linear_b), "a linear weight got its gradient in B"
+        assert other_b and all(other_b), "embedding / LayerNorm gradients belong to B"
+        assert all(linear_w) and all(other_w)
