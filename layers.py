@@ -81,9 +81,15 @@ class _Sequence:
 class LayerPipe(PipelineModule):
     """PipelineModule whose activation checkpointing groups start at each stage's first block.
 
-    Subclasses set `checkpointable` to the layer classes worth checkpointing.
+    `checkpointable` (a class attribute, or a keyword argument) names the layer classes worth
+    checkpointing.
     """
     checkpointable: tuple = ()
+
+    def __init__(self, *args, checkpointable=None, **kwargs):
+        if checkpointable is not None:
+            self.checkpointable = tuple(checkpointable)
+        super().__init__(*args, **kwargs)
 
     def forward(self, x):
         interval = self.activation_checkpoint_interval
@@ -103,5 +109,11 @@ def layer_state_dict(layers, first_index: int = 0) -> dict:
 
 
 def pipe_layer_state_dict(module: PipelineModule) -> dict:
-    """The layer-indexed state of the layers this pipeline rank owns."""
-    return layer_state_dict(module.forward_funcs, module._local_start)
+    """The layer-indexed state of the layers this pipeline rank owns (all its chunks, if it has several)."""
+    chunks = getattr(module, 'chunk_funcs', None)
+    if chunks is None:
+        return layer_state_dict(module.forward_funcs, module._local_start)
+    state = {}
+    for funcs, (start, _) in zip(chunks, module.chunk_bounds):
+        state.update(layer_state_dict(funcs, start))
+    return state

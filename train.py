@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
+    p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
     p.flag("--deep-width", type=int, default=256, help="deep model: width of each Linear")
     p.flag("--deep-depth", type=int, default=16, help="deep model: number of Linear+ReLU blocks")
     p.flag("--dropout", type=float, default=0.0)
@@ -162,11 +163,18 @@ def build_model(args):
                   activation_checkpoint_interval=args.activation_checkpoint_interval)
     if args.partition_method:
         common["partition_method"] = args.partition_method
+    from schedules.placement import ChunkedPlacement
+    from schedules.registry import SCHEDULES
+    placement = SCHEDULES[args.pipeline_schedule].placement
+    if pp and issubclass(placement, ChunkedPlacement):  # several model chunks per rank
+        common["placement"] = placement
     if args.model == "deep":
         import deep_model
         model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, seed=args.seed, **common)
         return model, deep_model.mse_loss
     import gptlite
+    if args.n_layer:
+        common["n_layer"] = args.n_layer
     model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed, **common)
     return model, gptlite.CrossEntropyLoss_FlatView
 

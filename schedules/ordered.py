@@ -1,36 +1,48 @@
-"""`OrderedSchedule`: a DeepSpeed PipeSchedule written as one stage's order of compute passes.
+"""`OrderedSchedule`: a DeepSpeed PipeSchedule written as one rank's order of compute passes.
 
-A subclass says, for its stage, in which order it runs forward (F), backward-for-inputs (B) and
-backward-for-weights (W) passes of which micro-batches: `compute_order()` returns a list like
-[('F', 0), ('F', 1), ('B', 0), ('W', 0), ...]. This base turns that order into DeepSpeed
-instructions, the same way for every schedule:
+A subclass says in which order its rank runs which passes: `compute_order()` returns a list of
 
-    F(mb): LoadMicroBatch (first and last stage) or RecvActivation, ForwardPass, SendActivation
-    B(mb): RecvGrad (unless last stage), BackwardInputPass, SendGrad (unless first stage)
-    W(mb): BackwardWeightPass
-    'BW':  a fused BackwardPass, with the same communication as B
-    end:   ReduceTiedGrads, ReduceGrads, OptimizerStep
+    ('F', mb, chunk)    forward              ('B', mb, chunk)   backward for inputs
+    ('W', mb, chunk)    backward for weights ('BW', mb, chunk)  fused backward
+    ('FB', (mb, chunk), (mb, chunk))         a forward and a backward-for-inputs as one unit
+
+(`chunk` may be left out on schedules with one chunk per rank). This base turns the order into
+DeepSpeed instructions, the same way for every schedule, from the schedule's placement (which
+stage a chunk runs and where its neighbours are, schedules/placement.py):
+
+    F:  LoadMicroBatch (first stage: inputs; last stage: labels), RecvActivation (unless the
+        upstream stage is on this rank or there is none), ForwardPass, SendActivation
+    B / BW:  RecvGrad, BackwardInputPass / BackwardPass, SendGrad (same conditions downstream)
+    W:  BackwardWeightPass
+    FB: both receives, ForwardBackwardPass, both sends
+    end: ReduceTiedGrads, ReduceGrads, OptimizerStep
 
 Receives are posted right before the pass that needs them; sends right after the pass that
-produced the data (the SplitBackwardEngine sends asynchronously). A micro-batch holds a buffer
-from its F to its W (or fused backward); buffers are reused round robin, which is safe because F
-and W both visit micro-batches in increasing order, so the micro-batches alive at once are
-consecutive.
+produced the data (the engines that run these schedules send asynchronously). A micro-batch
+holds a buffer of its chunk from its F to its W (or fused backward); buffers are reused round
+robin, which is safe because each chunk's F and W visit micro-batches in increasing order, so
+the micro-batches alive at once in a chunk are consecutive. All chunks of a rank use the same
+number of buffers, so a micro-batch has the same buffer id in each chunk (a local hand-over
+from one chunk to the next needs no bookkeeping). With one chunk per rank the instructions
+carry only `buffer_id`, as DeepSpeed's own do.
 """
-from abc import abstractmethod
-
 from deepspeed.runtime.pipe import schedule as ds
 
-from schedules.instructions import BackwardInputPass, BackwardWeightPass
+from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+
+KINDS = ('F', 'B', 'W', 'BW')
 
 
 class OrderedSchedule(ds.PipeSchedule):
     name = "ordered"  # as train.py --pipeline-schedule spells it
+    placement_cls = None  # set by subclasses: a schedules.simulate.Placement
 
-    def __init__(self, micro_batches, stages, stage_id):
+    def __init__(self, micro_batches, stages, stage_id, forward_only=False):
         super().__init__(micro_batches, stages, stage_id)
         self.check(micro_batches, stages)
-        self._order = self.compute_order()
+        self.placement = self.placement_cls(stages)
+        self.forward_only = forward_only
+        self._order = [self._normalise(p) for p in (self.forward_order() if forward_only else self.compute_order())]
         self._check_order()
 
     @classmethod
@@ -39,50 +51,101 @@ class OrderedSchedule(ds.PipeSchedule):
         if stages < 2:
             raise ValueError(f"{cls.name} needs --pipeline-parallel-size >= 2 (got {stages})")
 
-    @abstractmethod
     def compute_order(self):
-        """This stage's passes in execution order: [(kind, micro_batch), ...]."""
+        """This rank's passes in execution order (see the module docstring)."""
+        raise NotImplementedError
+
+    def forward_order(self):
+        """Forward passes only (eval_batch): stage by stage, so every input is ready before it is needed."""
+        chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
+        return [('F', mb, c) for c in chunks for mb in range(self.micro_batches_of(c))]
+
+    def micro_batches_of(self, chunk):
+        """Micro-batches that pass through `chunk` (the mirror placement splits them between its directions)."""
+        return self.micro_batches if self.placement.direction(chunk) is None else self.micro_batches // 2
+
+    @staticmethod
+    def _normalise(item):
+        if item[0] == 'FB':
+            return item
+        return item if len(item) == 3 else (item[0], item[1], 0)
+
+    def _passes(self):
+        for item in self._order:
+            if item[0] == 'FB':
+                yield ('F', ) + item[1]
+                yield ('B', ) + item[2]
+            else:
+                yield item
 
     def _check_order(self):
-        m, seen = self.micro_batches, {k: [] for k in ('F', 'B', 'W', 'BW')}
-        for kind, mb in self._order:
-            seen[kind].append(mb)
-        split = bool(seen['B'])
-        expected = {'F': list(range(m)), 'B': list(range(m)) if split else [], 'W': list(range(m)) if split else [],
-                    'BW': [] if split else list(range(m))}
-        if seen != expected:
-            raise AssertionError(f"{type(self).__name__} stage {self.stage_id}: passes {seen} are not one F and "
-                                 f"one backward per micro-batch in increasing order")
+        seen = {}
+        for kind, mb, chunk in self._passes():
+            seen.setdefault((chunk, kind), []).append(mb)
+        for c in range(self.placement.chunks):
+            m = list(range(self.micro_batches_of(c)))
+            got = {k: seen.get((c, k), []) for k in KINDS}
+            split = bool(got['B'])
+            want = {'F': m, 'B': m if split else [], 'W': m if split else [], 'BW': [] if split else m}
+            if self.forward_only:
+                want = {'F': m, 'B': [], 'W': [], 'BW': []}
+            if got != want:
+                raise AssertionError(f"{type(self).__name__} rank {self.stage_id} chunk {c}: passes {got} are not "
+                                     f"one F and one backward per micro-batch in increasing order")
+
+    def buffers_per_chunk(self):
+        if self.forward_only:  # nothing is kept for a backward; a buffer per micro-batch keeps hand-overs simple
+            return self.micro_batches
+        live, peak = [0] * self.placement.chunks, 1
+        for kind, _, chunk in self._passes():
+            live[chunk] += kind == 'F'
+            live[chunk] -= kind in ('W', 'BW')
+            peak = max(peak, live[chunk])
+        return peak
 
     def num_pipe_buffers(self):
-        live = peak = 0
-        for kind, _ in self._order:
-            live += kind == 'F'
-            live -= kind in ('W', 'BW')
-            peak = max(peak, live)
-        return max(peak, 1)
+        return self.buffers_per_chunk() * self.placement.chunks
+
+    # --- instructions ---------------------------------------------------------------------
+    def _remote(self, chunk, step):
+        peer = self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
+        return peer is not None and peer[0] != self.stage_id
+
+    def _at_end(self, chunk, step):
+        return self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk)) is None
+
+    def _instr(self, cls, buf, chunk):
+        return cls(buf, chunk=chunk) if self.placement.chunks > 1 else cls(buf)
+
+    def _before(self, kind, buf, chunk):
+        if kind == 'F':
+            cmds = [self._instr(ds.LoadMicroBatch, buf, chunk)] if self._at_end(chunk, -1) or self._at_end(chunk, +1) \
+                else []
+            return cmds + ([self._instr(ds.RecvActivation, buf, chunk)] if self._remote(chunk, -1) else [])
+        if kind in ('B', 'BW'):
+            return [self._instr(ds.RecvGrad, buf, chunk)] if self._remote(chunk, +1) else []
+        return []
+
+    def _after(self, kind, buf, chunk):
+        if kind == 'F' and self._remote(chunk, +1):
+            return [self._instr(ds.SendActivation, buf, chunk)]
+        if kind in ('B', 'BW') and self._remote(chunk, -1):
+            return [self._instr(ds.SendGrad, buf, chunk)]
+        return []
 
     def steps(self):
-        nbuf = self.num_pipe_buffers()
-        first, last = self.is_first_stage, self.is_last_stage
-        for kind, mb in self._order:
+        nbuf = self.buffers_per_chunk()
+        compute = {'F': ds.ForwardPass, 'B': BackwardInputPass, 'W': BackwardWeightPass, 'BW': ds.BackwardPass}
+        for item in self._order:
+            if item[0] == 'FB':
+                (fmb, fc), (bmb, bc) = item[1], item[2]
+                yield (self._before('F', fmb % nbuf, fc) + self._before('B', bmb % nbuf, bc) +
+                       [ForwardBackwardPass(fmb % nbuf, fc, bmb % nbuf, bc)] + self._after('F', fmb % nbuf, fc) +
+                       self._after('B', bmb % nbuf, bc))
+                continue
+            kind, mb, chunk = item
             buf = mb % nbuf
-            cmds = []
-            if kind == 'F':
-                if first or last:
-                    cmds.append(ds.LoadMicroBatch(buf))
-                if not first:
-                    cmds.append(ds.RecvActivation(buf))
-                cmds.append(ds.ForwardPass(buf))
-                if not last:
-                    cmds.append(ds.SendActivation(buf))
-            elif kind in ('B', 'BW'):
-                if not last:
-                    cmds.append(ds.RecvGrad(buf))
-                cmds.append(BackwardInputPass(buf) if kind == 'B' else ds.BackwardPass(buf))
-                if not first:
-                    cmds.append(ds.SendGrad(buf))
-            else:
-                cmds.append(BackwardWeightPass(buf))
-            yield cmds
-        yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+            yield self._before(kind, buf, chunk) + [self._instr(compute[kind], buf, chunk)] + \
+                self._after(kind, buf, chunk)
+        if not self.forward_only:
+            yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]

@@ -164,6 +164,10 @@ class Placement:
         """(rank, chunk) holding the stage `step` (+1 downstream, -1 upstream) away, or None."""
         return self._owner.get(self.stage(rank, chunk) + step)
 
+    def direction(self, chunk):
+        """Which stream of micro-batches a chunk serves (None: the only one)."""
+        return None
+
 
 class StockPlacement(Placement):
     """DeepSpeed's PipelineEngine: rank r runs stage r, sends activations to r+1, grads to r-1."""

@@ -47,6 +47,8 @@ class LaggedSchedule(OrderedSchedule):
         """(b_lag, w_lag) of this stage."""
         raise NotImplementedError
 
+    placement_cls = SplitBackwardPlacement
+
     def compute_order(self):
         m = self.micro_batches
         b_lag, w_lag = self.lags()
