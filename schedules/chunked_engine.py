@@ -8,8 +8,7 @@ instruction here also names its `chunk`, and the engine:
   (load inputs on the first stage, labels and loss on the last);
 - keeps each chunk's buffers apart: slot = chunk * buffers_per_chunk + buffer_id;
 - talks to the rank that holds the neighbouring stage of that chunk (the placement says which),
-  with one message tag per (chunk, kind), so messages of different chunks between the same two
-  ranks can never be confused;
+  activations and gradients on two communicators of their own (see schedules/placement.py);
 - hands activations and gradients over locally where two consecutive stages share the rank (the
   turn of the V placement at the last rank);
 - gives each direction of the mirror placement its own half of the step's micro-batches.
@@ -41,6 +40,8 @@ class ChunkedEngine(SplitBackwardEngine):
         self._shapes = {}              # chunk -> shape of the activations it receives
         self._sent_shape = set()       # chunks whose activation shape went downstream
         self._nbuf = 1
+        everyone = list(range(dist.get_world_size()))
+        self._channel = {'act': dist.new_group(everyone), 'grad': dist.new_group(everyone)}
 
     # --- which stage is active ------------------------------------------------------------
     @contextmanager
@@ -76,9 +77,6 @@ class ChunkedEngine(SplitBackwardEngine):
     def _peer(self, chunk, step):
         peer = self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
         return None if peer is None else peer
-
-    def _tag(self, chunk, kind):
-        return 4 * chunk + {'act': 0, 'grad': 1, 'meta': 2}[kind]
 
     # --- schedule -------------------------------------------------------------------------
     def _train_schedule(self):
@@ -142,9 +140,10 @@ class ChunkedEngine(SplitBackwardEngine):
         self._run_backward_input(buffer_id, chunk)
         self._run_backward_weight(buffer_id, chunk)
 
-    def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk):
+    def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
+        # One after the other today; the unit is where overlapping the two (DualPipe) would go.
         self._run_forward(fwd_buffer, fwd_chunk)
-        self._run_backward_input(bwd_buffer, bwd_chunk)
+        (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
 
     # --- point to point -------------------------------------------------------------------
     def _rank_of(self, peer):
@@ -158,33 +157,33 @@ class ChunkedEngine(SplitBackwardEngine):
             meta = torch.zeros(_META_LEN, dtype=torch.long)
             meta[0] = out.dim()
             meta[1:1 + out.dim()] = torch.tensor(out.shape)
-            dist.send(meta, dst, tag=self._tag(chunk, 'meta'))
-        self._sends.append((dist.isend(out.contiguous(), dst, tag=self._tag(chunk, 'act')), out))
+            dist.send(meta, dst, group=self._channel['act'])
+        self._sends.append((dist.isend(out.contiguous(), dst, group=self._channel['act']), out))
 
     def _run_recv_activations(self, buffer_id, chunk):
         peer = self._peer(chunk, -1)
         src = self._rank_of(peer)
         if chunk not in self._shapes:
             meta = torch.zeros(_META_LEN, dtype=torch.long)
-            dist.recv(meta, src, tag=self._tag(peer[1], 'meta'))
+            dist.recv(meta, src, group=self._channel['act'])
             self._shapes[chunk] = tuple(meta[1:1 + int(meta[0])].tolist())
         dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
         x = torch.empty(self._shapes[chunk], dtype=dtype, device=self.device)
-        dist.recv(x, src, tag=self._tag(peer[1], 'act'))
+        dist.recv(x, src, group=self._channel['act'])
         self.pipe_buffers['inputs'][self._slot(buffer_id, chunk)] = x.requires_grad_(torch.is_grad_enabled())
 
     def _run_send_grads(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
         grad = self.pipe_buffers['inputs'][slot].grad
         dst = self._rank_of(self._peer(chunk, -1))
-        self._sends.append((dist.isend(grad, dst, tag=self._tag(chunk, 'grad')), grad))
+        self._sends.append((dist.isend(grad, dst, group=self._channel['grad']), grad))
         self.pipe_buffers['inputs'][slot] = None
 
     def _run_recv_grads(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
         peer = self._peer(chunk, +1)
         grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
-        dist.recv(grad, self._rank_of(peer), tag=self._tag(peer[1], 'grad'))
+        dist.recv(grad, self._rank_of(peer), group=self._channel['grad'])
         self._grads[slot] = grad
 
     _INSTRUCTION_MAP = {

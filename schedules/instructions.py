@@ -26,13 +26,16 @@ class BackwardWeightPass(BufferOpInstruction):
 
 
 class ForwardBackwardPass(PipeInstruction):
-    """F of the micro-batch in (fwd_buffer, fwd_chunk), then B of the one in (bwd_buffer, bwd_chunk)."""
+    """F of the micro-batch in (fwd_buffer, fwd_chunk), then the backward of the one in
+    (bwd_buffer, bwd_chunk): B, or with `fused` the whole backward (B and W at once)."""
 
-    def __init__(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk):
-        super().__init__(fwd_buffer=fwd_buffer, fwd_chunk=fwd_chunk, bwd_buffer=bwd_buffer, bwd_chunk=bwd_chunk)
+    def __init__(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused=False):
+        super().__init__(fwd_buffer=fwd_buffer, fwd_chunk=fwd_chunk, bwd_buffer=bwd_buffer, bwd_chunk=bwd_chunk,
+                         fused=fused)
 
 
 register_instruction(BackwardInputPass, lambda instr, ctx: [Compute('B', ctx.chunk, instr.buffer_id)])
 register_instruction(BackwardWeightPass, lambda instr, ctx: [Compute('W', ctx.chunk, instr.buffer_id)])
-register_instruction(ForwardBackwardPass, lambda i, ctx: [Compute('F', i.fwd_chunk, i.fwd_buffer, pair=True),
-                                                          Compute('B', i.bwd_chunk, i.bwd_buffer, pair=True)])
+register_instruction(ForwardBackwardPass, lambda i, ctx: [
+    Compute('F', i.fwd_chunk, i.fwd_buffer, pair=True),
+    Compute('BW' if i.fused else 'B', i.bwd_chunk, i.bwd_buffer, pair=True)])

@@ -91,3 +91,33 @@ def interleaved_1f1b_order(p, m, v, rank):
     # Cool-down: the backwards left.
     order += [('BW', *slot(k, True)) for k in range(total - warmup, total)]
     return order
+
+
+# --- the DeepSpeed schedule ---------------------------------------------------------------------
+from schedules.chunked_engine import ChunkedEngine  # noqa: E402
+from schedules.ordered import OrderedSchedule  # noqa: E402
+from schedules.placement import InterleavedPlacement  # noqa: E402
+from schedules.registry import register_schedule  # noqa: E402
+
+
+class Interleaved1F1BSchedule(OrderedSchedule):
+    """Interleaved 1F1B with v = `virtual_stages` chunks per rank (`with_virtual_stages(v)` for others)."""
+    name = "interleaved"
+    virtual_stages = DEFAULT_VIRTUAL_STAGES
+    placement_cls = InterleavedPlacement.with_chunks(DEFAULT_VIRTUAL_STAGES)
+
+    @classmethod
+    def with_virtual_stages(cls, v):
+        return type(f"Interleaved1F1BSchedule{v}", (cls, ), {"virtual_stages": v,
+                                                               "placement_cls": InterleavedPlacement.with_chunks(v)})
+
+    @classmethod
+    def check(cls, micro_batches, stages):
+        check_interleaved(stages, micro_batches, cls.virtual_stages)
+
+    def compute_order(self):
+        return interleaved_1f1b_order(self.stages, self.micro_batches, self.virtual_stages, self.stage_id)
+
+
+register_schedule("interleaved", Interleaved1F1BSchedule, Interleaved1F1BSchedule.placement_cls,
+                  "Interleaved 1F1B (Megatron-LM): v chunks per rank, bubble / v", engine=ChunkedEngine)

@@ -5,6 +5,7 @@ A subclass says in which order its rank runs which passes: `compute_order()` ret
     ('F', mb, chunk)    forward              ('B', mb, chunk)   backward for inputs
     ('W', mb, chunk)    backward for weights ('BW', mb, chunk)  fused backward
     ('FB', (mb, chunk), (mb, chunk))         a forward and a backward-for-inputs as one unit
+    ('FBW', (mb, chunk), (mb, chunk))        a forward and a fused backward as one unit
 
 (`chunk` may be left out on schedules with one chunk per rank). This base turns the order into
 DeepSpeed instructions, the same way for every schedule, from the schedule's placement (which
@@ -14,17 +15,17 @@ stage a chunk runs and where its neighbours are, schedules/placement.py):
         upstream stage is on this rank or there is none), ForwardPass, SendActivation
     B / BW:  RecvGrad, BackwardInputPass / BackwardPass, SendGrad (same conditions downstream)
     W:  BackwardWeightPass
-    FB: both receives, ForwardBackwardPass, both sends
+    FB / FBW: both receives, ForwardBackwardPass, both sends
     end: ReduceTiedGrads, ReduceGrads, OptimizerStep
 
 Receives are posted right before the pass that needs them; sends right after the pass that
-produced the data (the engines that run these schedules send asynchronously). A micro-batch
-holds a buffer of its chunk from its F to its W (or fused backward); buffers are reused round
-robin, which is safe because each chunk's F and W visit micro-batches in increasing order, so
-the micro-batches alive at once in a chunk are consecutive. All chunks of a rank use the same
-number of buffers, so a micro-batch has the same buffer id in each chunk (a local hand-over
-from one chunk to the next needs no bookkeeping). With one chunk per rank the instructions
-carry only `buffer_id`, as DeepSpeed's own do.
+produced the data (the engines that run these schedules send asynchronously). Micro-batch mb
+uses buffer mb of its chunk: a schedule may finish micro-batches out of order (DualPipe mixes
+fused and split backwards), and a buffer slot holds nothing once its micro-batch is done (the
+engines free outputs at the backward and inputs once their gradient is sent), so one slot per
+micro-batch costs nothing and a micro-batch has the same buffer id in every chunk, which makes
+a local hand-over from one chunk to the next need no bookkeeping. With one chunk per rank the
+instructions carry only `buffer_id`, as DeepSpeed's own do.
 """
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -66,15 +67,15 @@ class OrderedSchedule(ds.PipeSchedule):
 
     @staticmethod
     def _normalise(item):
-        if item[0] == 'FB':
+        if item[0] in ('FB', 'FBW'):
             return item
         return item if len(item) == 3 else (item[0], item[1], 0)
 
     def _passes(self):
         for item in self._order:
-            if item[0] == 'FB':
+            if item[0] in ('FB', 'FBW'):
                 yield ('F', ) + item[1]
-                yield ('B', ) + item[2]
+                yield (item[0][1:], ) + item[2]
             else:
                 yield item
 
@@ -85,23 +86,14 @@ class OrderedSchedule(ds.PipeSchedule):
         for c in range(self.placement.chunks):
             m = list(range(self.micro_batches_of(c)))
             got = {k: seen.get((c, k), []) for k in KINDS}
-            split = bool(got['B'])
-            want = {'F': m, 'B': m if split else [], 'W': m if split else [], 'BW': [] if split else m}
-            if self.forward_only:
-                want = {'F': m, 'B': [], 'W': [], 'BW': []}
-            if got != want:
+            backward = [mb for kind, mb, chunk in self._passes() if chunk == c and kind in ('B', 'BW')]
+            ok = got['F'] == m and (self.forward_only and not backward or backward == m and got['W'] == got['B'])
+            if not ok:
                 raise AssertionError(f"{type(self).__name__} rank {self.stage_id} chunk {c}: passes {got} are not "
-                                     f"one F and one backward per micro-batch in increasing order")
+                                     f"one F and one backward (BW, or B then W) per micro-batch in increasing order")
 
     def buffers_per_chunk(self):
-        if self.forward_only:  # nothing is kept for a backward; a buffer per micro-batch keeps hand-overs simple
-            return self.micro_batches
-        live, peak = [0] * self.placement.chunks, 1
-        for kind, _, chunk in self._passes():
-            live[chunk] += kind == 'F'
-            live[chunk] -= kind in ('W', 'BW')
-            peak = max(peak, live[chunk])
-        return peak
+        return max(self.micro_batches_of(c) for c in range(self.placement.chunks))
 
     def num_pipe_buffers(self):
         return self.buffers_per_chunk() * self.placement.chunks
@@ -134,18 +126,16 @@ class OrderedSchedule(ds.PipeSchedule):
         return []
 
     def steps(self):
-        nbuf = self.buffers_per_chunk()
         compute = {'F': ds.ForwardPass, 'B': BackwardInputPass, 'W': BackwardWeightPass, 'BW': ds.BackwardPass}
         for item in self._order:
-            if item[0] == 'FB':
-                (fmb, fc), (bmb, bc) = item[1], item[2]
-                yield (self._before('F', fmb % nbuf, fc) + self._before('B', bmb % nbuf, bc) +
-                       [ForwardBackwardPass(fmb % nbuf, fc, bmb % nbuf, bc)] + self._after('F', fmb % nbuf, fc) +
-                       self._after('B', bmb % nbuf, bc))
+            if item[0] in ('FB', 'FBW'):
+                (fmb, fc), (bmb, bc), bkind = item[1], item[2], item[0][1:]
+                yield (self._before('F', fmb, fc) + self._before(bkind, bmb, bc) +
+                       [ForwardBackwardPass(fmb, fc, bmb, bc, fused=bkind == 'BW')] + self._after('F', fmb, fc) +
+                       self._after(bkind, bmb, bc))
                 continue
             kind, mb, chunk = item
-            buf = mb % nbuf
-            yield self._before(kind, buf, chunk) + [self._instr(compute[kind], buf, chunk)] + \
-                self._after(kind, buf, chunk)
+            yield self._before(kind, mb, chunk) + [self._instr(compute[kind], mb, chunk)] + \
+                self._after(kind, mb, chunk)
         if not self.forward_only:
             yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]

@@ -12,8 +12,12 @@ of rank r runs global stage `stage(r, c)`; its neighbour one stage downstream (+
   whose micro-batches flow from rank 0 to rank p-1; chunk 1 is stage p-1-r of copy 1, whose
   micro-batches flow from rank p-1 to rank 0. The chunk is the direction.
 
-These are the chunked engine's placements: its sends are asynchronous and it keeps a received
-gradient per micro-batch.
+These are the chunked engine's placements: its sends are asynchronous, it keeps a received
+gradient per micro-batch, and activations and gradients travel on two communicators. The last
+matters: on the V and mirror placements the link from a rank to its neighbour carries the
+activations of one chunk and the gradients of the other, which the schedules send and receive
+in different orders; each kind on its own is in order, and a communicator per kind keeps the
+two apart on any backend (NCCL ignores message tags).
 """
 from schedules.simulate import Placement
 
@@ -21,6 +25,7 @@ from schedules.simulate import Placement
 class ChunkedPlacement(Placement):
     async_sends = True
     single_grad_slot = False
+    channels_by_kind = True
     num_model_stages = None  # stages the model is cut into (set in __init__)
 
     def __init__(self, ranks):

@@ -142,6 +142,7 @@ class Placement:
     tensor_meta = True  # the first activation send of each chunk is preceded by a blocking shape message
     single_grad_slot = False  # the engine keeps one received gradient at a time
     async_sends = False  # sends are posted (isend) and complete later; the stream waits for them at its end
+    channels_by_kind = False  # activations and gradients travel on separate communicators (FIFO within each)
     handlers = {}  # engine-specific overrides of the instruction registry
 
     def __init__(self, ranks):
@@ -496,6 +497,8 @@ class _Simulation:
     def _post(self, rk, op):
         op.posted = rk.clock
         key = (op.rank, op.peer) if op.is_send else (op.peer, op.rank)
+        if self.placement.channels_by_kind:  # the shape message goes first on the activations' channel
+            key += (GRADIENT if op.msg[0] == GRADIENT else ACTIVATION, )
         sends, recvs = self.channels.setdefault(key, (deque(), deque()))
         (sends if op.is_send else recvs).append(op)
         while sends and recvs:
