@@ -12,7 +12,8 @@
 - `LayerPipe`: a `PipelineModule` whose forward is `run_layers`.
 - `layer_state_dict(...)`: the parameters of a list of layers keyed by global layer index
   (`"3.attn.qkv.weight"`), the one naming that plain and pipelined models share; train.py's
-  `--export` writes it and the tests compare it.
+  `--export` writes it and the tests compare it (a DualPipe run adds its second copy of each
+  stage under `mirror:` keys).
 """
 import contextlib
 
@@ -114,6 +115,7 @@ def pipe_layer_state_dict(module: PipelineModule) -> dict:
     if chunks is None:
         return layer_state_dict(module.forward_funcs, module._local_start)
     state = {}
-    for funcs, (start, _) in zip(chunks, module.chunk_bounds):
-        state.update(layer_state_dict(funcs, start))
+    for c, (funcs, (start, _)) in enumerate(zip(chunks, module.chunk_bounds)):
+        mirror = module.placement.direction(c) == 1  # DualPipe's second copy of a stage
+        state.update({("mirror:" if mirror else "") + k: v for k, v in layer_state_dict(funcs, start).items()})
     return state

@@ -43,6 +43,7 @@ def parse_args(argv=None):
            help="pipeline stages; 0 = no pipeline. World size = data-parallel degree x this.")
     p.flag("--pipeline-spec-layers", action="store_true", help="build stages from LayerSpecs (each rank builds its own)")
     p.flag("--pipeline-schedule", default="1f1b", choices=trainable, help="pipeline schedule")
+    p.flag("--virtual-stages", type=int, default=None, help="interleaved: model chunks per rank (default 2)")
     p.flag("--partition-method", default=None, help="DeepSpeed partition method (parameters, uniform, type:Block)")
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     if pp < 0 or (pp and world % pp):
         raise UsageError(f"--pipeline-parallel-size {pp} must divide the world size {world}: "
                          f"launch a multiple of {pp} processes or change the flag")
+    if args.virtual_stages is not None and args.pipeline_schedule != "interleaved":
+        raise UsageError("--virtual-stages applies to --pipeline-schedule interleaved only")
     if args.resume and not args.save_dir:
         raise UsageError("--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     if args.model == "gptlite":
@@ -122,14 +125,15 @@ def build_optimizer(cfg: dict, params):
     return __import__("torch").optim.SGD(params, **opt["params"])
 
 
-def check_schedule(name: str, stages: int, micro_batches: int):
+def check_schedule(args, stages: int, micro_batches: int):
     """Build the schedule once for stage 0 so that its constraints fail here, on every rank alike."""
-    from schedules.registry import SCHEDULES
+    from schedules.registry import schedule_spec
+    name = args.pipeline_schedule
     if name != "1f1b" and stages < 2:
         raise UsageError(f"--pipeline-schedule {name} needs --pipeline-parallel-size >= 2")
     if stages:
         try:
-            SCHEDULES[name].factory(micro_batches=micro_batches, stages=stages, stage_id=0)
+            schedule_spec(name, args.virtual_stages).factory(micro_batches=micro_batches, stages=stages, stage_id=0)
         except ValueError as e:
             raise UsageError(f"--pipeline-schedule {name}: {e}") from None
 
@@ -164,8 +168,8 @@ def build_model(args):
     if args.partition_method:
         common["partition_method"] = args.partition_method
     from schedules.placement import ChunkedPlacement
-    from schedules.registry import SCHEDULES
-    placement = SCHEDULES[args.pipeline_schedule].placement
+    from schedules.registry import schedule_spec
+    placement = schedule_spec(args.pipeline_schedule, args.virtual_stages).placement
     if pp and issubclass(placement, ChunkedPlacement):  # several model chunks per rank
         common["placement"] = placement
     if args.model == "deep":
@@ -210,7 +214,7 @@ def main(argv=None):
     dp = world // max(pp, 1)
     cfg = ds_config(args, dp)
     mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
-    check_schedule(args.pipeline_schedule, pp, gas)
+    check_schedule(args, pp, gas)
     on_cpu = get_accelerator().device_name() == "cpu"
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -221,7 +225,8 @@ def main(argv=None):
     rank = dist.get_rank()
     model, criterion = build_model(args)
     client_optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
-    engine, _, _, _ = schedules.initialize(schedule=args.pipeline_schedule, model=model, optimizer=client_optimizer,
+    engine, _, _, _ = schedules.initialize(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                                           model=model, optimizer=client_optimizer,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=cfg)
     dp_rank = engine.grid.get_data_parallel_rank() if pp else rank

@@ -7,8 +7,14 @@ runtime that executes them, and their simulator.
     instructions.py  BackwardInputPass (B) and BackwardWeightPass (W)
     weight_grad.py   the Linear layer whose weight gradients a W pass computes later
     engine.py        SplitBackwardEngine: a PipelineEngine subclass that runs B, W and async sends
-    ordered.py       a PipeSchedule written as one stage's order of F, B, W passes
+    ordered.py       a PipeSchedule written as one rank's order of F, B, W passes (any chunks)
     zero_bubble.py   ZB-H1, ZB-H2
+    placement.py     where chunks live: interleaved, V, mirror
+    module.py        ChunkedPipelineModule: several model chunks per rank
+    chunked_engine.py ChunkedEngine: runs schedules over several chunks per rank
+    interleaved.py   Interleaved 1F1B
+    vshape.py        ZB-V, DualPipeV
+    dualpipe.py      DualPipe
 
 `initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
@@ -17,22 +23,23 @@ class to build.
 
 
 def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=None, config=None, args=None,
-               **kwargs):
+               virtual_stages=None, **kwargs):
     """`deepspeed.initialize(...)` for a model trained with pipeline schedule `schedule`.
 
     Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
     A schedule registered without an engine class (DeepSpeed's own 1F1B) goes through
     deepspeed.initialize itself; the others are built the way deepspeed.initialize builds a
     PipelineEngine, with the registered engine class and the schedule class passed to it.
+    `virtual_stages` picks the chunks per rank of `interleaved` (the model must be built with the
+    same placement: gptlite.get_model(..., placement=schedule_spec(...).placement)).
     """
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    from schedules.registry import available_schedules
+    from schedules.registry import available_schedules, schedule_spec
 
-    specs = available_schedules()
-    if schedule not in specs:
-        raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(specs)}")
-    spec = specs[schedule]
+    if schedule not in available_schedules():
+        raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(available_schedules())}")
+    spec = schedule_spec(schedule, virtual_stages)
     if spec.engine is None:
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     config=config, **kwargs)

@@ -23,9 +23,6 @@ from deepspeed.runtime.pipe import schedule as ds
 from schedules.engine import SplitBackwardEngine
 from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
 
-_META_LEN = 8  # ndim, dims..., padded: the shape of the activations a chunk sends, exchanged once
-
-
 class ChunkedEngine(SplitBackwardEngine):
 
     def __init__(self, *args, **kwargs):
@@ -37,11 +34,12 @@ class ChunkedEngine(SplitBackwardEngine):
         self._loaded = Counter()       # (chunk, 'inputs' | 'labels') -> micro-batches loaded so far
         self._batches = None           # this step's micro-batches, taken from the data iterator once
         self._handover = {}            # slot -> activation handed from the upstream chunk on this rank
-        self._shapes = {}              # chunk -> shape of the activations it receives
-        self._sent_shape = set()       # chunks whose activation shape went downstream
         self._nbuf = 1
         everyone = list(range(dist.get_world_size()))
         self._channel = {'act': dist.new_group(everyone), 'grad': dist.new_group(everyone)}
+        self._mirror = self.placement.direction(1) == 1 if self.placement.chunks > 1 else False
+        if self._mirror:
+            self._mirror_group, self._loss_group = self._mirror_groups()
 
     # --- which stage is active ------------------------------------------------------------
     @contextmanager
@@ -145,38 +143,75 @@ class ChunkedEngine(SplitBackwardEngine):
         self._run_forward(fwd_buffer, fwd_chunk)
         (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
 
+    # --- the mirror placement: two copies of each stage, two loss ranks --------------------------
+    def _mirror_groups(self):
+        """Process groups {rank r, rank p-1-r} (the two copies of stage r) and {rank 0, rank p-1} (the two
+        loss stages), per data-parallel replica. Every rank creates every group, in the same order."""
+        p, mine, loss = self.num_stages, None, None
+        for dp in range(self.grid.data_parallel_size):
+            to_global = lambda stage: self.grid.topology().get_rank(pipe=stage, data=dp)  # noqa: E731
+            for r in range(p // 2):
+                group = dist.new_group([to_global(r), to_global(p - 1 - r)])
+                if dp == self.grid.get_data_parallel_id() and self.stage_id in (r, p - 1 - r):
+                    mine = group
+            group = dist.new_group([to_global(0), to_global(p - 1)])
+            if dp == self.grid.get_data_parallel_id() and self.stage_id in (0, p - 1):
+                loss = group
+        return mine, loss
+
+    def _exec_reduce_grads(self):
+        if self._mirror:  # each copy of a stage gets the sum of both copies' gradients, so they stay equal
+            chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
+            params = [p for c in chunks for p in self.module.chunk_parameters(c) if p.requires_grad]
+            grads = [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
+            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                              for p, g in zip(params, grads)])
+            dist.all_reduce(flat, group=self._mirror_group)
+            offset = 0
+            for p, g in zip(params, grads):
+                summed = flat[offset:offset + p.numel()].view_as(p).to(p.dtype if g is None else g.dtype)
+                offset += p.numel()
+                if g is None:
+                    p.grad = summed
+                else:
+                    g.copy_(summed)
+        super()._exec_reduce_grads()
+
+    def _aggregate_total_loss(self):
+        if not self._mirror:
+            return super()._aggregate_total_loss()
+        # Two ranks compute losses, one per direction: sum their shares over the pipeline group.
+        total = self.total_loss if self.total_loss is not None else torch.zeros((), device=self.device)
+        loss = self._scale_loss_by_gas(total.detach().clone().float())
+        dist.all_reduce(loss, group=self.grid.get_pipe_parallel_group())
+        self.dp_group_loss = loss.clone()
+        if self.is_data_parallel:
+            dist.all_reduce(loss, group=self.mpu.get_data_parallel_group())
+            loss /= self.dp_world_size
+        return loss
+
+    def _reduce_outputs(self, outputs, reduce='avg', reduce_dp=True, micro_batches=None):
+        reduced = super()._reduce_outputs(outputs, reduce, reduce_dp, micro_batches)
+        if self._mirror and reduce is not None:  # each loss rank averaged its direction's share
+            dist.all_reduce(reduced, group=self._loss_group)
+        return reduced
+
     # --- point to point -------------------------------------------------------------------
     def _rank_of(self, peer):
         return self.grid.stage_to_global(stage_id=peer[0])
 
     def _run_send_activations(self, buffer_id, chunk):
         out = self.pipe_buffers['outputs'][self._slot(buffer_id, chunk)]
-        dst = self._rank_of(self._peer(chunk, +1))
-        if chunk not in self._sent_shape:  # once: the receiver allocates from it
-            self._sent_shape.add(chunk)
-            meta = torch.zeros(_META_LEN, dtype=torch.long)
-            meta[0] = out.dim()
-            meta[1:1 + out.dim()] = torch.tensor(out.shape)
-            dist.send(meta, dst, group=self._channel['act'])
-        self._sends.append((dist.isend(out.contiguous(), dst, group=self._channel['act']), out))
+        self._send_activation(out, self._rank_of(self._peer(chunk, +1)), stream=chunk, group=self._channel['act'])
 
     def _run_recv_activations(self, buffer_id, chunk):
-        peer = self._peer(chunk, -1)
-        src = self._rank_of(peer)
-        if chunk not in self._shapes:
-            meta = torch.zeros(_META_LEN, dtype=torch.long)
-            dist.recv(meta, src, group=self._channel['act'])
-            self._shapes[chunk] = tuple(meta[1:1 + int(meta[0])].tolist())
-        dtype = torch.bfloat16 if self.bfloat16_enabled() else torch.float32
-        x = torch.empty(self._shapes[chunk], dtype=dtype, device=self.device)
-        dist.recv(x, src, group=self._channel['act'])
-        self.pipe_buffers['inputs'][self._slot(buffer_id, chunk)] = x.requires_grad_(torch.is_grad_enabled())
+        x = self._recv_activation(self._rank_of(self._peer(chunk, -1)), stream=chunk, group=self._channel['act'])
+        self.pipe_buffers['inputs'][self._slot(buffer_id, chunk)] = x
 
     def _run_send_grads(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
-        grad = self.pipe_buffers['inputs'][slot].grad
-        dst = self._rank_of(self._peer(chunk, -1))
-        self._sends.append((dist.isend(grad, dst, group=self._channel['grad']), grad))
+        self._isend(self.pipe_buffers['inputs'][slot].grad, self._rank_of(self._peer(chunk, -1)),
+                     group=self._channel['grad'])
         self.pipe_buffers['inputs'][slot] = None
 
     def _run_recv_grads(self, buffer_id, chunk):
@@ -188,6 +223,7 @@ class ChunkedEngine(SplitBackwardEngine):
 
     _INSTRUCTION_MAP = {
         **SplitBackwardEngine._INSTRUCTION_MAP,
+        ds.ReduceGrads: _exec_reduce_grads,
         ds.LoadMicroBatch: _run_load,
         ds.ForwardPass: _run_forward,
         ds.BackwardPass: _run_backward,

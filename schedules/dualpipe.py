@@ -181,3 +181,25 @@ def dualpipe_order(p, m, rank):
     second_half = rank >= p // 2
     # phase 0 is the direction entering at this rank's end: direction 0 for the first half.
     return dualpipe_steps(p // 2, min(rank, p - 1 - rank), m // 2, lambda phase: phase ^ second_half)
+
+
+# --- the DeepSpeed schedule ---------------------------------------------------------------------
+from schedules.chunked_engine import ChunkedEngine  # noqa: E402
+from schedules.ordered import OrderedSchedule  # noqa: E402
+from schedules.placement import MirrorPlacement  # noqa: E402
+from schedules.registry import register_schedule  # noqa: E402
+
+
+class DualPipeSchedule(OrderedSchedule):
+    name, placement_cls = "dualpipe", MirrorPlacement
+
+    @classmethod
+    def check(cls, micro_batches, stages):
+        check_dualpipe(stages, micro_batches)
+
+    def compute_order(self):
+        return dualpipe_order(self.stages, self.micro_batches, self.stage_id)
+
+
+register_schedule("dualpipe", DualPipeSchedule, MirrorPlacement,
+                  "DualPipe (DeepSeek-V3): bidirectional, two copies of each stage, deferred W", engine=ChunkedEngine)

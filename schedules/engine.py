@@ -8,7 +8,8 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
 - `SendActivation` / `SendGrad`: asynchronous (`isend`). The stock engine sends with a blocking
   rendezvous, so a stage that sends early waits for its peer; zero-bubble schedules send as soon
   as a pass ends and go on computing. Sends complete before the batch ends (and before the
-  gradient reduction); received data arrives in posting order per pair of ranks.
+  gradient reduction); received data arrives in posting order per pair of ranks. An activation
+  stream's shape goes ahead of its first tensor, once, asynchronously as well.
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
 needs it: the last stage's loss (its B may come after later forwards) and the received output
@@ -36,6 +37,7 @@ class SplitBackwardEngine(PipelineEngine):
         self._deferred = defaultdict(deque)      # buffer_id -> queues of weight-gradient work (FIFO)
         self._grads = {}                         # buffer_id -> received output gradient
         self._sends = []                         # (work, tensor) of sends in flight
+        self._shape_sent, self._shape_recvd = set(), {}  # activation streams whose shape went / came
 
     def _train_schedule(self):
         return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -86,8 +88,32 @@ class SplitBackwardEngine(PipelineEngine):
         self._exec_backward_weight_pass(buffer_id)
 
     # --- point to point -------------------------------------------------------------------
-    def _isend(self, tensor, stage):
-        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=stage)), tensor))
+    # Activations go out with isend; the first one of each stream is preceded by its shape
+    # (asynchronous too: two ranks that both send first must not wait for each other).
+    _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def _send_activation(self, tensor, dst, stream, group=None):
+        if stream not in self._shape_sent:
+            self._shape_sent.add(stream)
+            meta = torch.zeros(8, dtype=torch.long)
+            meta[0], meta[1] = self._DTYPES.index(tensor.dtype), tensor.dim()
+            meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+            self._sends.append((dist.isend(meta, dst, group=group), meta))
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, dst, group=group), tensor))
+
+    def _recv_activation(self, src, stream, group=None):
+        if stream not in self._shape_recvd:
+            meta = torch.zeros(8, dtype=torch.long)
+            dist.recv(meta, src, group=group)
+            self._shape_recvd[stream] = (self._DTYPES[int(meta[0])], tuple(meta[2:2 + int(meta[1])].tolist()))
+        dtype, shape = self._shape_recvd[stream]
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(x, src, group=group)
+        return x.requires_grad_(torch.is_grad_enabled())
+
+    def _isend(self, tensor, dst, group=None):
+        self._sends.append((dist.isend(tensor, dst, group=group), tensor))
 
     def _wait_sends(self):
         for work, _ in self._sends:
@@ -98,22 +124,22 @@ class SplitBackwardEngine(PipelineEngine):
         outputs = self.pipe_buffers['outputs'][buffer_id]
         if not torch.is_tensor(outputs):
             raise NotImplementedError("split-backward schedules pass one tensor between stages")
-        if self.first_output_send:  # shapes are exchanged once, as in the stock engine
-            self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)
-        self._isend(outputs, self.next_stage)
+        self._send_activation(outputs, self.grid.stage_to_global(stage_id=self.next_stage), stream=0)
+
+    def _exec_recv_activations(self, buffer_id):
+        self.pipe_buffers['inputs'][buffer_id] = self._recv_activation(
+            self.grid.stage_to_global(stage_id=self.prev_stage), stream=0)
 
     def _exec_send_grads(self, buffer_id):
         inputs = self.pipe_buffers['inputs'][buffer_id]
-        self._isend(inputs.grad, self.prev_stage)
+        self._isend(inputs.grad, self.grid.stage_to_global(stage_id=self.prev_stage))
         self.pipe_buffers['inputs'][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id):
         # A fresh tensor per micro-batch, not the stock engine's one reused buffer: autograd hands
         # the received gradient itself (through residual adds) to the last linear layers, whose
         # deferred W work keeps it until it runs, after later gradients have arrived.
-        outputs = self.pipe_buffers['outputs'][buffer_id]
-        grad = torch.empty_like(outputs)
+        grad = torch.empty_like(self.pipe_buffers['outputs'][buffer_id])
         dist.recv(grad, self.grid.stage_to_global(stage_id=self.next_stage))
         self._grads[buffer_id] = grad
 
@@ -122,6 +148,7 @@ class SplitBackwardEngine(PipelineEngine):
         ds.ForwardPass: _exec_forward_pass,
         ds.BackwardPass: _exec_backward_pass,
         ds.SendActivation: _exec_send_activations,
+        ds.RecvActivation: _exec_recv_activations,
         ds.SendGrad: _exec_send_grads,
         ds.RecvGrad: _exec_recv_grads,
         BackwardInputPass: _exec_backward_input_pass,

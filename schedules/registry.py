@@ -26,6 +26,15 @@ def register_schedule(name, factory, placement, description='', engine=None, tra
     SCHEDULES[name] = ScheduleSpec(name, factory, placement, description, engine, trains)
 
 
+def schedule_spec(name, virtual_stages=None):
+    """The registered schedule `name`; with `virtual_stages`, its variant with that many chunks per rank."""
+    spec = available_schedules()[name]
+    if virtual_stages is None:
+        return spec
+    factory = spec.factory.with_virtual_stages(virtual_stages)
+    return ScheduleSpec(name, factory, factory.placement_cls, spec.description, spec.engine, spec.trains)
+
+
 def available_schedules():
     """Import every module of the `schedules` package (so their registrations run); return the registry."""
     import schedules

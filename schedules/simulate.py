@@ -451,7 +451,10 @@ class _Simulation:
             op = _Op(rk.rank, peer[0], is_send, (META, src, dst, e.direction, it, None), rk.at())
             rk.effects.appendleft(e)  # the data follows once the shapes are through
             self._post(rk, op)
-            rk.waiting = [op]
+            if is_send and pl.async_sends:
+                rk.in_flight.append(op)
+            else:
+                rk.waiting = [op]
             return
 
         buf = rk.buffer(e.chunk, e.buffer)

@@ -36,7 +36,12 @@ def test_stages_must_divide_world_size():
     assert_one_error_line(run, "--pipeline-parallel-size")
 
 
-def test_schedule_constraints_are_one_line():
-    run = launch(2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--gradient-accumulation-steps",
-                     "2", "--model-size", "tiny"], timeout=60)
-    assert_one_error_line(run, "--gradient-accumulation-steps >= 3")
+@pytest.mark.parametrize("ranks,flags,expected", [
+    (2, ["--pipeline-schedule", "zb-h2", "--gradient-accumulation-steps", "2"], "--gradient-accumulation-steps >= 3"),
+    (2, ["--pipeline-schedule", "dualpipev", "--gradient-accumulation-steps", "3"], "--gradient-accumulation-steps"),
+    (3, ["--pipeline-schedule", "dualpipe", "--gradient-accumulation-steps", "6"], "--pipeline-parallel-size"),
+    (2, ["--pipeline-schedule", "interleaved", "--virtual-stages", "1"], "--virtual-stages"),
+], ids=["zb-h2-m", "dualpipev-m", "dualpipe-odd-p", "interleaved-v"])
+def test_schedule_constraints_are_one_line(ranks, flags, expected):
+    run = launch(ranks, ["--pipeline-parallel-size", str(ranks), "--model-size", "tiny"] + flags, timeout=60)
+    assert_one_error_line(run, expected)

@@ -1,67 +1,20 @@
-"""DeepSpeed pipelines of GPTlite train exactly like the non-pipelined model.
-
-Each configuration runs train.py as real ranks (gloo, CPU) for two plain-SGD steps over the same
-8 micro-batches per step, then exports its weights keyed by layer index. With SGD the update is
-lr * gradient, so equal weights after the steps mean equal gradients (Adam would hide a wrong
-gradient scale). Per-step losses must match too.
-"""
+"""DeepSpeed pipelines of GPTlite, stock 1F1B and the zero-bubble schedules, train exactly like
+the non-pipelined model: same losses, validation losses and weights after two plain-SGD steps
+over the same micro-batches (see tests/training.py)."""
 import json
 
 import pytest
 import torch
 
-from local_launch import ROOT, launch
+from local_launch import launch
+from training import TOL, assert_same_training, train
 
 MICRO_BATCHES = 8  # per optimizer step, over all data-parallel ranks
-COMMON = ["--model", "gptlite", "--model-size", "tiny", "--steps", "2", "--seed", "3", "--optimizer", "sgd",
-          "--lr", "0.5", "--micro-batch-size", "2", "--dist-timeout", "120"]
-TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def sgd_config(tmp_path_factory):
-    """ds_config.json without the LR schedule and clipping (clipping would also hide a wrong
-    gradient scale), with ZeRO stage 0 or 1."""
-    made = {}
-
-    def config(zero=1):
-        if zero not in made:
-            cfg = json.loads((ROOT / "ds_config.json").read_text())
-            cfg.pop("scheduler")
-            cfg["gradient_clipping"] = 0.0
-            cfg["zero_optimization"]["stage"] = zero
-            made[zero] = tmp_path_factory.mktemp("cfg") / f"sgd-zero{zero}.json"
-            made[zero].write_text(json.dumps(cfg))
-        return made[zero]
-    return config
-
-
-def train(tmp_path, nprocs, flags, config, micro_batches=MICRO_BATCHES, dp=1, timeout=240):
-    metrics, export = tmp_path / "metrics.jsonl", tmp_path / "weights.pt"  # train.py creates the folder
-    run = launch(nprocs, COMMON + ["--deepspeed_config", config, "--gradient-accumulation-steps",
-                                   micro_batches // dp, "--metrics-file", metrics, "--export", export] + flags,
-                 timeout=timeout)
-    assert run.ok, run.explain()
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    return losses, torch.load(export)
-
-
-@pytest.fixture(scope="module")
-def references(sgd_config, tmp_path_factory):
-    """One rank, no pipeline, per number of micro-batches per step."""
-    made = {}
-
-    def reference(micro_batches=MICRO_BATCHES):
-        if micro_batches not in made:
-            made[micro_batches] = train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"],
-                                        sgd_config(), micro_batches)
-        return made[micro_batches]
-    return reference
 
 
 @pytest.fixture(scope="module")
 def reference(references):
-    return references()
+    return references(MICRO_BATCHES)
 
 
 def initial_weights():
@@ -70,19 +23,9 @@ def initial_weights():
     return layer_state_dict(gptlite.get_model(model_size="tiny", seed=3).to_layers())
 
 
-def assert_same_training(result, reference):
-    (losses, weights), (ref_losses, ref_weights) = result, reference
-    assert len(losses) == len(ref_losses) == 2
-    assert losses == pytest.approx(ref_losses, abs=TOL)
-    assert weights.keys() == ref_weights.keys()
-    for name, ref in ref_weights.items():
-        diff = (weights[name] - ref).abs().max().item()
-        assert diff < TOL, f"{name}: differs from the non-pipelined run by {diff:.2e}"
-
-
 def test_reference_really_trains(reference):
     """Guards the comparisons below: the weights moved, by far more than the tolerance."""
-    losses, weights = reference
+    losses, _, weights = reference
     start = initial_weights()
     moved = max((weights[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-2
@@ -101,7 +44,7 @@ def test_reference_really_trains(reference):
 def test_pipeline_matches_non_pipelined(nprocs, flags, sgd_config, reference, tmp_path):
     pp = int(flags[1])
     dp = nprocs // max(pp, 1)
-    assert_same_training(train(tmp_path, nprocs, flags, sgd_config(), dp=dp), reference)
+    assert_same_training(train(tmp_path, nprocs, flags, sgd_config(), MICRO_BATCHES, dp=dp), reference)
 
 
 # Zero-bubble schedules (split backward) against the same non-pipelined runs, which stock 1F1B
@@ -137,9 +80,9 @@ def test_zero_bubble_bf16_matches_stock_1f1b(sgd_config, tmp_path):
     stock = train(tmp_path / "1f1b", 2, flags, sgd_config(1), 4)
     split = train(tmp_path / "zb", 2, flags + ["--pipeline-schedule", "zb-h1"], sgd_config(1), 4)
     assert split[0] == stock[0]
-    for name, ref in stock[1].items():
+    for name, ref in stock[2].items():
         assert ref.dtype == torch.bfloat16
-        assert torch.equal(split[1][name], ref), name
+        assert torch.equal(split[2][name], ref), name
 
 
 def test_resume_gives_the_same_next_losses(tmp_path):

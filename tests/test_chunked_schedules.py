@@ -1,0 +1,60 @@
+"""Schedules with several model chunks per rank train exactly like the non-pipelined model:
+Interleaved 1F1B, ZB-V, DualPipeV (V placement) and DualPipe (mirror placement), at 2 and 4
+ranks, several micro-batch counts, both builds, activation checkpointing for each, data
+parallelism beside each placement (see tests/training.py for what "exactly" means).
+DualPipe's two copies of each stage stay equal after every step."""
+import json
+
+import pytest
+
+from local_launch import launch
+from training import TINY_CHUNKED, TOL, assert_same_training, train
+
+PP2, PP4 = ["--pipeline-parallel-size", "2"], ["--pipeline-parallel-size", "4"]
+SPEC, CKPT = ["--pipeline-spec-layers"], ["--activation-checkpoint-interval", "1"]
+CASES = {  # name: (ranks, flags, micro-batches per step)
+    "interleaved-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
+    "interleaved-pp4-m8-spec": (4, PP4 + SPEC, 8),
+    "interleaved-v3-pp2-m6-spec": (2, PP2 + SPEC + ["--virtual-stages", "3"], 6),
+    "interleaved-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
+    "zb-v-pp2-m4-spec-ckpt": (2, PP2 + SPEC + CKPT, 4),
+    "zb-v-pp4-m8": (4, PP4, 8),
+    "zb-v-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
+    "dualpipev-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
+    "dualpipev-pp4-m8-spec": (4, PP4 + SPEC, 8),
+    "dualpipe-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
+    "dualpipe-pp4-m8-spec": (4, PP4 + SPEC, 8),
+    "dualpipe-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
+}
+
+
+def schedule_of(case):
+    return next(s for s in ("interleaved", "zb-v", "dualpipev", "dualpipe") if case.startswith(s + "-"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_schedule_matches_non_pipelined(case, sgd_config, references, tmp_path):
+    ranks, flags, micro_batches = CASES[case]
+    dp = ranks // int(flags[1])
+    result = train(tmp_path, ranks, flags + ["--pipeline-schedule", schedule_of(case)], sgd_config(), micro_batches,
+                   dp=dp, model=TINY_CHUNKED)
+    if schedule_of(case) == "dualpipe":
+        assert any(k.startswith("mirror:") for k in result[2])
+    assert_same_training(result, references(micro_batches, TINY_CHUNKED))
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe"])
+def test_resume_gives_the_same_next_losses(schedule, tmp_path):
+    """Checkpoints hold each chunk's layers (DualPipe: one copy of each stage, loaded into both)."""
+    flags = [*TINY_CHUNKED, "--steps", "4", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
+             *PP2, "--pipeline-schedule", schedule, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
+             "--dist-timeout", "120"]
+    full = launch(2, flags + ["--metrics-file", tmp_path / "full.jsonl"])
+    assert full.ok, full.explain()
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")  # roll back to the step-2 checkpoint
+    resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
+    assert resumed.ok, resumed.explain()
+    losses = lambda name: [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    full_losses, resumed_losses = losses("full.jsonl"), losses("resumed.jsonl")
+    assert len(full_losses) == 4 and len(resumed_losses) == 2
+    assert resumed_losses == pytest.approx(full_losses[2:], abs=TOL)
