@@ -166,23 +166,23 @@ def CrossEntropyLoss_FlatView(logits, labels):
 
 def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
-              partition_method="parameters", placement=None, **config_overrides):
+              partition_method="parameters", pipe_module=None, **config_overrides):
     """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds.
 
-    `placement` (schedules/placement.py) asks for several model chunks per rank, for the
-    schedules that need them: the same layers (LayerSpecs or modules) in a ChunkedPipelineModule.
+    `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
+    or modules), for schedules that need one: several model chunks per rank (see
+    schedules.registry.ScheduleSpec.pipe_module).
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
     if not pipeline_num_stages:
         return GPTlite(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
                        activation_checkpoint_interval=activation_checkpoint_interval)
-    if placement is not None:
-        from schedules.module import ChunkedPipelineModule
+    if pipe_module is not None:
         specs = layer_specs(config)
         layers = ([SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))] if pipeline_spec_layers else
                   GPTlite(config).to_layers())
-        return ChunkedPipelineModule(layers, placement, checkpointable=GPTlitePipe.checkpointable, **pipe_kwargs)
+        return pipe_module(layers, checkpointable=GPTlitePipe.checkpointable, **pipe_kwargs)
     if pipeline_spec_layers:
         return GPTlitePipeSpec(config, **pipe_kwargs)
     layers = GPTlite(config).to_layers()

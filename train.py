@@ -167,11 +167,10 @@ def build_model(args):
                   activation_checkpoint_interval=args.activation_checkpoint_interval)
     if args.partition_method:
         common["partition_method"] = args.partition_method
-    from schedules.placement import ChunkedPlacement
     from schedules.registry import schedule_spec
-    placement = schedule_spec(args.pipeline_schedule, args.virtual_stages).placement
-    if pp and issubclass(placement, ChunkedPlacement):  # several model chunks per rank
-        common["placement"] = placement
+    pipe_module = schedule_spec(args.pipeline_schedule, args.virtual_stages).pipe_module
+    if pp and pipe_module is not None:  # the schedule needs its own PipelineModule (several chunks per rank)
+        common["pipe_module"] = pipe_module
     if args.model == "deep":
         import deep_model
         model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, seed=args.seed, **common)

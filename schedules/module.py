@@ -71,3 +71,15 @@ class ChunkedPipelineModule(LayerPipe):
             self.activate_chunk(c)
             super().load_state_dir(*args, **kwargs)
         self.activate_chunk(0)
+
+
+def stock_dualpipev_module(layers, **kwargs):
+    """DeepSpeed's own DualPipeVModule over the same layers (for `dualpipev-deepspeed`), with this
+    project's block-aligned activation checkpointing; deepspeed.initialize gives it DeepSpeed's
+    DualPipeVEngine."""
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+    class StockDualPipeVModule(LayerPipe, DualPipeVModule):
+        pass
+
+    return StockDualPipeVModule(layers=layers, **kwargs)

@@ -3,6 +3,7 @@ the simulator's model of that engine. `train.py --pipeline-schedule`, `schedules
 the simulator, the table and the diagrams all read it. A schedule registers itself with one
 `register_schedule(...)` line next to its class.
 """
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -17,13 +18,26 @@ class ScheduleSpec:
     description: str = ''
     engine: Optional[type] = None  # PipelineEngine subclass taking schedule_cls=; None: DeepSpeed's own choice
     trains: bool = True  # train.py can run it
+    module: Optional[Callable] = None  # (layers, **PipelineModule kwargs) -> the PipelineModule it needs
+
+    @property
+    def pipe_module(self):
+        """What builds this schedule's PipelineModule: several chunks per rank where its placement has
+        them; None for the models' own one-stage-per-rank PipelineModule."""
+        if self.module is not None:
+            return self.module
+        from schedules.placement import ChunkedPlacement
+        if issubclass(self.placement, ChunkedPlacement):
+            from schedules.module import ChunkedPipelineModule
+            return functools.partial(ChunkedPipelineModule, placement=self.placement)
+        return None
 
 
 SCHEDULES = {}
 
 
-def register_schedule(name, factory, placement, description='', engine=None, trains=True):
-    SCHEDULES[name] = ScheduleSpec(name, factory, placement, description, engine, trains)
+def register_schedule(name, factory, placement, description='', engine=None, trains=True, module=None):
+    SCHEDULES[name] = ScheduleSpec(name, factory, placement, description, engine, trains, module)
 
 
 def schedule_spec(name, virtual_stages=None):
@@ -32,7 +46,7 @@ def schedule_spec(name, virtual_stages=None):
     if virtual_stages is None:
         return spec
     factory = spec.factory.with_virtual_stages(virtual_stages)
-    return ScheduleSpec(name, factory, factory.placement_cls, spec.description, spec.engine, spec.trains)
+    return ScheduleSpec(name, factory, factory.placement_cls, spec.description, spec.engine, spec.trains, spec.module)
 
 
 def available_schedules():

@@ -621,4 +621,5 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
 register_schedule('1f1b', ds.TrainSchedule, StockPlacement, "DeepSpeed's TrainSchedule (1F1B) on its stock PipelineEngine")
 register_schedule('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
-                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine", trains=False)
+                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine",
+                  module=lambda layers, **kw: __import__('schedules.module').module.stock_dualpipev_module(layers, **kw))

@@ -1,7 +1,8 @@
 """Schedules with several model chunks per rank train exactly like the non-pipelined model:
 Interleaved 1F1B, ZB-V, DualPipeV (V placement) and DualPipe (mirror placement), at 2 and 4
 ranks, several micro-batch counts, both builds, activation checkpointing for each, data
-parallelism beside each placement (see tests/training.py for what "exactly" means).
+parallelism beside each placement (see tests/training.py for what "exactly" means); and
+DeepSpeed's own DualPipeV over the same model, for comparison.
 DualPipe's two copies of each stage stay equal after every step."""
 import json
 
@@ -25,11 +26,13 @@ CASES = {  # name: (ranks, flags, micro-batches per step)
     "dualpipe-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
     "dualpipe-pp4-m8-spec": (4, PP4 + SPEC, 8),
     "dualpipe-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
+    "dualpipev-deepspeed-pp2-m4-spec": (2, PP2 + SPEC, 4),  # DeepSpeed's own, for comparison
 }
 
 
 def schedule_of(case):
-    return next(s for s in ("interleaved", "zb-v", "dualpipev", "dualpipe") if case.startswith(s + "-"))
+    return next(s for s in ("interleaved", "zb-v", "dualpipev-deepspeed", "dualpipev", "dualpipe")
+                if case.startswith(s + "-"))
 
 
 @pytest.mark.parametrize("case", CASES)
