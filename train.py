@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.flag("--save-interval", type=int, default=0, help="save every N steps (and at the end); 0 = at the end only")
     p.flag("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
     p.flag("--export", default=None, help="write the trained weights, keyed by layer index, to this .pt file")
+    p.flag("--trace", default=None, help="write a Chrome trace (Perfetto) of the last --trace-steps steps here")
+    p.flag("--trace-steps", type=int, default=3, help="how many of the last steps --trace records")
     p.flag("--dist-timeout", type=int, default=600, help="seconds before a stuck collective fails")
     import deepspeed
     p = deepspeed.add_config_arguments(p)
@@ -79,6 +81,8 @@ def parse_args(argv=None):
                          f"launch a multiple of {pp} processes or change the flag")
     if args.virtual_stages is not None and args.pipeline_schedule != "interleaved":
         raise UsageError("--virtual-stages applies to --pipeline-schedule interleaved only")
+    if args.trace and not pp:
+        raise UsageError("--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
     if args.resume and not args.save_dir:
         raise UsageError("--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     if args.model == "gptlite":
@@ -197,6 +201,25 @@ def export_weights(engine, args, path: str):
         torch.save({k: v for part in parts for k, v in part.items()}, path)
 
 
+def start_tracer(engine):
+    from schedules.trace import Tracer, engine_placement
+    engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
+    return engine.tracer
+
+
+def save_trace(engine, tracer, args):
+    """Gather the first data-parallel replica's traces on rank 0 and write them as one Chrome trace."""
+    import torch.distributed as dist
+    from schedules.trace import write_chrome_trace
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tracer if engine.grid.get_data_parallel_rank() == 0 else None)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
+        meta = {"schedule": args.pipeline_schedule, "stages": args.pipeline_parallel_size,
+                "micro_batches": engine.micro_batches, "model": args.model}
+        write_chrome_trace(sorted((t for t in parts if t is not None), key=lambda t: t.rank), args.trace, meta)
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +248,7 @@ def main(argv=None):
     model, criterion = build_model(args)
     client_optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
     engine, _, _, _ = schedules.initialize(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
-                                           model=model, optimizer=client_optimizer,
+                                           trace=bool(args.trace), model=model, optimizer=client_optimizer,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=cfg)
     dp_rank = engine.grid.get_data_parallel_rank() if pp else rank
@@ -292,11 +315,20 @@ def main(argv=None):
     tokens = samples * (1 if args.model == "deep" else batch_of("train", 0)[0].shape[1])
     if args.eval_interval and start == 0:
         log({"step": 0, "val_loss": evaluate()})
+    tracer = start_tracer(engine) if args.trace else None
+    first_traced = max(start, args.steps - args.trace_steps)
     for step in range(start, args.steps):
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        if tracer is not None and step >= first_traced:
+            if tracer.origin is None:  # one clock for all ranks: read it right after a barrier
+                dist.barrier()
+                tracer.origin = time.perf_counter()
+            tracer.start_iteration(step - first_traced)
         t0 = time.perf_counter()
         loss = train_step(step)
         dt = time.perf_counter() - t0
+        if tracer is not None:
+            tracer.stop()
         record = {"step": step + 1, "loss": loss, "lr": lr, "iter_s": dt,
                   "samples_per_s": samples / dt, "tokens_per_s": tokens / dt}
         last = step + 1 == args.steps
@@ -307,6 +339,8 @@ def main(argv=None):
             engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
     if args.export:
         export_weights(engine, args, args.export)
+    if tracer is not None:
+        save_trace(engine, tracer, args)
     dist.barrier()
 
 

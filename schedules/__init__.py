@@ -23,7 +23,7 @@ class to build.
 
 
 def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=None, config=None, args=None,
-               virtual_stages=None, **kwargs):
+               virtual_stages=None, trace=False, **kwargs):
     """`deepspeed.initialize(...)` for a model trained with pipeline schedule `schedule`.
 
     Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
@@ -31,7 +31,8 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     deepspeed.initialize itself; the others are built the way deepspeed.initialize builds a
     PipelineEngine, with the registered engine class and the schedule class passed to it.
     `virtual_stages` picks the chunks per rank of `interleaved` (the model must be built with the
-    same placement: gptlite.get_model(..., placement=schedule_spec(...).placement)).
+    matching module: gptlite.get_model(..., pipe_module=schedule_spec(...).pipe_module)).
+    `trace=True` builds the engine class wrapped by schedules.trace.traced; set `engine.tracer`.
     """
     import deepspeed
     from deepspeed.pipe import PipelineModule
@@ -40,18 +41,28 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     if schedule not in available_schedules():
         raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(available_schedules())}")
     spec = schedule_spec(schedule, virtual_stages)
-    if spec.engine is None:
+    if spec.engine is None and not (trace and isinstance(model, PipelineModule)):
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     config=config, **kwargs)
     if not isinstance(model, PipelineModule):
         raise ValueError(f"pipeline schedule '{schedule}' needs a PipelineModule (--pipeline-parallel-size >= 2)")
-    from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed import set_optimizer_flags
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    engine_cls = spec.engine
+    if engine_cls is None:  # DeepSpeed's own engine, as deepspeed.initialize would pick it (to be traced)
+        engine_cls = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine
+    else:
+        kwargs["schedule_cls"] = spec.factory
+    if trace:
+        from schedules.trace import traced
+        engine_cls = traced(engine_cls)
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)
     set_optimizer_flags(config_class, model)
-    engine = spec.engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, mpu=mpu,
-                         config=config, config_class=config_class, schedule_cls=spec.factory, **kwargs)
+    engine = engine_cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, mpu=mpu,
+                        config=config, config_class=config_class, **kwargs)
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

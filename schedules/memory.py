@@ -139,6 +139,10 @@ class SavedTensorTracker:
     again if released and saved anew). Storages of tensors in `ignore` (e.g. the parameters,
     which exist anyway and which Linear saves for its input gradient) are not counted.
 
+    Split backward: between a B and its W, the deferred weight-gradient work of schedules/
+    weight_grad.py keeps each linear layer's input and output gradient alive outside autograd's
+    graph; while the context is active the tracker counts those too (`hold`), until W has run.
+
     Handles outlive the context (a graph built inside may be freed after it exits); their
     releases keep `live_bytes` right but no longer raise `peak_bytes`. The saved tensors are
     handed back detached, which is fine for backward but not for double backward
@@ -185,6 +189,10 @@ class SavedTensorTracker:
     def _unpack(saved):
         return saved.tensor
 
+    def hold(self, *tensors):
+        """Count `tensors` as saved until the returned token is dropped."""
+        return [self._pack(t) for t in tensors]
+
     def _release(self, key):
         with self._lock:
             entry = self._refs.get(key)
@@ -197,12 +205,16 @@ class SavedTensorTracker:
 
     def __enter__(self):
         import torch
+        from schedules.weight_grad import register_holder
+        register_holder(self)
         self._active = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
+        from schedules.weight_grad import unregister_holder
+        unregister_holder(self)
         self._active = False
         self._hooks.__exit__(*exc)
         self._hooks = None

@@ -588,7 +588,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     """
     name = schedule if isinstance(schedule, str) else getattr(schedule, '__name__', repr(schedule))
     if isinstance(schedule, str):
-        spec = SCHEDULES[schedule]
+        spec = available_schedules()[schedule]
         schedule, placement = spec.factory, placement or spec.placement
     place = (placement or StockPlacement)(stages)
     cost, units = _cost_function(costs)

@@ -18,6 +18,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _queue = None  # the list that Linear backward appends to while deferral is on, else None
+_holders = []  # memory trackers told what queued work keeps alive (schedules/memory.py)
+
+
+def register_holder(holder):
+    """`holder.hold(*tensors)` is called for what each queued weight-gradient work keeps; the
+    returned tokens live as long as the work (a tracker releases them when W has run)."""
+    _holders.append(holder)
+
+
+def unregister_holder(holder):
+    _holders.remove(holder)
 
 
 @contextlib.contextmanager
@@ -52,10 +63,11 @@ class DeferredLinearGrad:
 
     Holds exactly what that needs: the layer's input and its output gradient.
     """
-    __slots__ = ('weight', 'bias', 'x', 'grad_out')
+    __slots__ = ('weight', 'bias', 'x', 'grad_out', '_tokens')
 
     def __init__(self, weight, bias, x, grad_out):
         self.weight, self.bias, self.x, self.grad_out = weight, bias, x, grad_out
+        self._tokens = None
 
     def __call__(self):
         """[(parameter, its gradient)] for this micro-batch."""
@@ -84,6 +96,7 @@ class _LinearFunction(torch.autograd.Function):
         work = DeferredLinearGrad(weight if ctx.needs_input_grad[1] else None, ctx.bias if want_b else None,
                                   x, grad_out)
         if _queue is not None and (work.weight is not None or work.bias is not None):
+            work._tokens = [h.hold(x, grad_out) for h in _holders]
             _queue.append(work)
             return grad_x, None, None
         grads = {id(p): g for p, g in work()}

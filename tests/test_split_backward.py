@@ -83,7 +83,8 @@ def test_b_and_w_each_do_about_half_of_the_backward_matmuls(make, low, high):
 
 
 def test_between_b_and_w_only_the_linear_inputs_and_output_grads_are_kept():
-    """B frees the micro-batch's autograd graph; the queue holds each linear layer's input and output gradient."""
+    """B frees the micro-batch's autograd graph; the queue holds each linear layer's input and output
+    gradient, which the memory tracker counts until W has run."""
     stage = gpt_stage()
     x = inputs(stage)
     params = list(stage.parameters())
@@ -92,9 +93,12 @@ def test_between_b_and_w_only_the_linear_inputs_and_output_grads_are_kept():
         saved_after_forward = tracker.live_bytes
         with defer_weight_grads() as queue:
             loss.backward()
-        assert saved_after_forward > 0 and tracker.live_bytes == 0
-    # what the queue keeps: each linear layer's input and output gradient, nothing else
-    tokens = x.shape[0] * x.shape[1]
-    expected = sum((m.in_features + m.out_features) * tokens * 4 for m in stage.modules() if isinstance(m, Linear))
-    held = sum(t.numel() * t.element_size() for work in queue for t in (work.x, work.grad_out))
-    assert held == expected
+        # what the queue keeps: each linear layer's input and output gradient, nothing else
+        tokens = x.shape[0] * x.shape[1]
+        expected = sum((m.in_features + m.out_features) * tokens * 4 for m in stage.modules() if isinstance(m, Linear))
+        assert sum(t.numel() * t.element_size() for work in queue for t in (work.x, work.grad_out)) == expected
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for work in queue for t in (work.x, work.grad_out)}
+        assert 0 < tracker.live_bytes == sum(storages.values()) < saved_after_forward
+        apply_weight_grads(queue)
+        assert tracker.live_bytes == 0

@@ -1,0 +1,186 @@
+"""Tracing real runs: which pass each rank executed when, in the simulator's Timeline schema.
+
+`traced(engine_cls)` returns a subclass of any pipeline engine (DeepSpeed's own PipelineEngine
+and DualPipeVEngine included) whose instruction map wraps every handler with a clock reading;
+the engine's behaviour is unchanged, and an untraced run uses the plain class, so its
+instruction loop does no timing work at all.
+
+A rank's `Tracer` turns the executed instructions into Timeline passes (kind, global stage,
+chunk, micro-batch, start, end, on a clock shared by all ranks) plus the time spent in
+point-to-point instructions. Stock instructions carry only a buffer id, so micro-batches are
+recovered as the simulator does: forwards are counted per chunk, a backward belongs to the
+forward that filled its buffer. `write_chrome_trace` gathers every rank's records on rank 0 into
+one Chrome trace event file (opens in Perfetto or chrome://tracing); `load_chrome_trace` reads
+it back into a Timeline, which schedules/plot.py draws like a simulated one.
+"""
+import json
+import time
+from types import MethodType
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+from schedules.timeline import Pass, Timeline
+
+COMPUTE = {ds.ForwardPass: 'F', ds.BackwardPass: 'BW', BackwardInputPass: 'B', BackwardWeightPass: 'W'}
+P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad, ds.CommitP2P)
+
+
+class Tracer:
+
+    def __init__(self, rank, placement):
+        self.rank, self.placement = rank, placement
+        self.origin = None  # clock reading of step 0 of the trace, taken right after a barrier
+        self.passes, self.p2p = [], []  # Pass records; (name, start, end, iteration) of p2p
+        self.iteration = 0
+        self.active = False
+        self._pair = 0
+
+    def start_iteration(self, iteration):
+        self.iteration, self.active = iteration, True
+        self._forwards, self._buffer_mb = {}, {}
+
+    def stop(self):
+        self.active = False
+
+    def _micro_batch(self, kind, chunk, buffer_id):
+        if kind == 'F':
+            mb = self._forwards.get(chunk, 0)
+            self._forwards[chunk] = mb + 1
+            self._buffer_mb[(chunk, buffer_id)] = mb
+            return mb
+        return self._buffer_mb[(chunk, buffer_id)]
+
+    def record(self, kind, chunk, buffer_id, start, end, pair=None):
+        mb = self._micro_batch(kind, chunk, buffer_id)
+        self.passes.append(Pass(kind, self.placement.stage(self.rank, chunk), chunk, mb, start - self.origin,
+                                end - self.origin, self.placement.direction(chunk), pair, self.iteration))
+
+    def record_p2p(self, name, start, end):
+        self.p2p.append((name, start - self.origin, end - self.origin, self.iteration))
+
+    def next_pair(self):
+        self._pair += 1
+        return self._pair
+
+
+def _chunk_of(kwargs, key='chunk'):
+    return kwargs.get(key, kwargs.get('phase', 0))
+
+
+def _wrap(instr_type, handler):
+    """The handler, timed: compute passes become Timeline passes, p2p instructions waits."""
+    kind = COMPUTE.get(instr_type)
+
+    def traced_handler(self, **kwargs):
+        tracer = self.tracer
+        if tracer is None or not tracer.active:
+            return handler(self, **kwargs)
+        start = time.perf_counter()
+        out = handler(self, **kwargs)
+        end = time.perf_counter()
+        if kind is not None:
+            tracer.record(kind, _chunk_of(kwargs), kwargs['buffer_id'], start, end)
+        elif instr_type in P2P:
+            tracer.record_p2p(instr_type.__name__, start, end)
+        return out
+
+    def traced_pair(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
+        # ChunkedEngine's paired unit, timed part by part (a later overlap would time it as one)
+        tracer = self.tracer
+        if tracer is None or not tracer.active:
+            return handler(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
+        pair = tracer.next_pair()
+        t0 = time.perf_counter()
+        self._run_forward(fwd_buffer, fwd_chunk)
+        t1 = time.perf_counter()
+        (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
+        t2 = time.perf_counter()
+        tracer.record('F', fwd_chunk, fwd_buffer, t0, t1, pair)
+        tracer.record('BW' if fused else 'B', bwd_chunk, bwd_buffer, t1, t2, pair)
+
+    return traced_pair if instr_type is ForwardBackwardPass else traced_handler
+
+
+def traced(engine_cls):
+    """`engine_cls` with every instruction handler timed (see the module docstring)."""
+    return type(f"Traced{engine_cls.__name__}", (engine_cls, ), {
+        "tracer": None,
+        "_INSTRUCTION_MAP": {t: _wrap(t, h) for t, h in engine_cls._INSTRUCTION_MAP.items()},
+    })
+
+
+def engine_placement(engine):
+    """The placement of the chunks an engine runs, for stage numbers: its own, or one stage per rank."""
+    module = engine.module
+    if hasattr(module, 'placement'):
+        return module.placement
+    from schedules.simulate import DualPipeVPlacement, StockPlacement
+    return (DualPipeVPlacement if hasattr(module, 'phase_funcs') else StockPlacement)(engine.num_stages)
+
+
+def write_chrome_trace(tracers, path, meta):
+    """Rank 0 writes the gathered tracers' records as Chrome trace events (times in microseconds)."""
+    events = []
+    for t in tracers:
+        events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
+        for tid, name in ((0, "compute"), (1, "p2p")):
+            events.append({"name": "thread_name", "ph": "M", "pid": t.rank, "tid": tid, "args": {"name": name}})
+        for p in t.passes:
+            label = f"{p.kind}{p.micro_batch}" + (f" c{p.chunk}" if t.placement.chunks > 1 else "")
+            events.append({"name": label, "cat": p.kind, "ph": "X", "pid": t.rank, "tid": 0, "ts": p.start * 1e6,
+                           "dur": p.duration * 1e6, "args": {"kind": p.kind, "stage": p.stage, "chunk": p.chunk,
+                                                              "micro_batch": p.micro_batch, "direction": p.direction,
+                                                              "pair": p.pair, "iteration": p.iteration}})
+        for name, start, end, iteration in t.p2p:
+            events.append({"name": name, "cat": "p2p", "ph": "X", "pid": t.rank, "tid": 1, "ts": start * 1e6,
+                           "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
+
+
+def load_chrome_trace(path):
+    """(Timeline in seconds, {rank: seconds spent in p2p instructions per iteration}) of a trace file."""
+    with open(path) as f:
+        data = json.load(f)
+    ranks, p2p = {}, {}
+    for e in data["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        rank = e["pid"]
+        if e["cat"] == "p2p":
+            key = (rank, e["args"]["iteration"])
+            p2p[key] = p2p.get(key, 0.0) + e["dur"] / 1e6
+            continue
+        a = e["args"]
+        ranks.setdefault(rank, []).append(Pass(a["kind"], a["stage"], a["chunk"], a["micro_batch"], e["ts"] / 1e6,
+                                               (e["ts"] + e["dur"]) / 1e6, a["direction"], a["pair"], a["iteration"]))
+    rows = [sorted(ranks.get(r, []), key=lambda p: p.start) for r in range(max(ranks) + 1 if ranks else 0)]
+    return Timeline(rows, 's', dict(data.get("otherData", {}))), p2p
+
+
+def one_iteration(timeline, iteration):
+    """The passes of one traced step, on a clock starting at that step's first pass."""
+    t0, _ = timeline.span(iteration)
+    rows = [[Pass(**{**p.__dict__, 'start': p.start - t0, 'end': p.end - t0}) for p in row if p.iteration == iteration]
+            for row in timeline.ranks]
+    return Timeline(rows, timeline.units, dict(timeline.meta, iteration=iteration))
+
+
+def measured_costs(timeline):
+    """Median seconds per (rank, chunk) and pass kind, in the simulator's cost-table format.
+
+    A paired unit's parts are timed apart; a kind never run (F/BW only on 1F1B) is left out, and
+    the simulator derives it (BW = B + W, or B = W = BW / 2)."""
+    times = {}
+    for rank, p in timeline.passes():
+        times.setdefault((rank, p.chunk), {}).setdefault(p.kind, []).append(p.duration)
+    return {key: {kind: sorted(v)[len(v) // 2] for kind, v in kinds.items()} for key, kinds in times.items()}
+
+
+def predict(timeline, latency=0.0):
+    """The simulator's synchronised prediction of a traced run's schedule, from the costs it measured."""
+    from schedules.simulate import simulate
+    meta = timeline.meta
+    return simulate(meta['schedule'], meta['stages'], meta['micro_batches'], costs=measured_costs(timeline),
+                    latency=latency, iterations=1)

@@ -1,0 +1,52 @@
+"""Draw a traced run (train.py --trace FILE) beside the simulator's prediction from its own costs.
+
+    python scripts/plot_trace.py runs/trace.json --out runs/trace.png [--iteration K] [--latency-us L]
+
+Top: what the ranks did in one traced step (seconds). Bottom: the same schedule simulated with
+the F, B, W, BW times measured in that trace (medians per rank and chunk) and the given p2p
+latency. Same renderer, same scale: the differences are what the engine adds (p2p waits,
+per-instruction overhead) or what the schedule's cost model misses.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from schedules.plot import plot_timeline
+    from schedules.trace import load_chrome_trace, one_iteration, predict
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace")
+    p.add_argument("--out", required=True)
+    p.add_argument("--iteration", type=int, default=None, help="traced step to draw (default: the last)")
+    p.add_argument("--latency-us", type=float, default=0.0, help="p2p latency for the prediction")
+    args = p.parse_args(argv)
+
+    timeline, p2p = load_chrome_trace(args.trace)
+    iteration = timeline.iterations()[-1] if args.iteration is None else args.iteration
+    measured = one_iteration(timeline, iteration)
+    predicted = predict(measured, args.latency_us * 1e-6)
+    _, span = measured.span()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 1.2 * measured.num_ranks * 2 + 2))
+    name = measured.meta.get("schedule")
+    plot_timeline(measured, ax=top, title=f"{name}: traced step {iteration}, {span * 1e3:.1f} ms")
+    plot_timeline(predicted.timeline, ax=bottom,
+                  title=f"{name}: simulated from the measured costs, {predicted.makespan * 1e3:.1f} ms")
+    limit = max(span, predicted.makespan)
+    for ax in (top, bottom):
+        ax.set_xlim(0, limit)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"{args.out}: measured {span * 1e3:.2f} ms, predicted {predicted.makespan * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""train.py --trace records what each rank really executed, in the simulator's timeline schema, as a
+Chrome trace; the renderer draws it beside the simulator's prediction from its own costs."""
+import json
+
+import pytest
+
+from local_launch import ROOT, launch
+from schedules.simulate import simulate
+from schedules.trace import load_chrome_trace, one_iteration
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dualpipe"])
+def test_trace_matches_the_schedule(schedule, tmp_path):
+    trace = tmp_path / "trace.json"
+    run = launch(2, ["--model", "deep", "--deep-depth", "8", "--deep-width", "32", "--steps", "3",
+                     "--pipeline-parallel-size", "2", "--pipeline-schedule", schedule, "--gradient-accumulation-steps",
+                     "4", "--micro-batch-size", "2", "--trace", trace, "--trace-steps", "2", "--dist-timeout", "60"],
+                 timeout=120)
+    assert run.ok, run.explain()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1} and any(e.get("cat") == "p2p" for e in events)
+    timeline, p2p = load_chrome_trace(trace)
+    assert timeline.iterations() == [0, 1] and timeline.units == "s"
+    expected = simulate(schedule, 2, 4, iterations=1).timeline
+    for rank in range(2):
+        for it in (0, 1):
+            got = [(p.kind, p.micro_batch, p.chunk) for p in timeline.ranks[rank] if p.iteration == it]
+            assert got == [(p.kind, p.micro_batch, p.chunk) for p in expected.ranks[rank]]
+            assert p2p[(rank, it)] > 0
+        row = timeline.ranks[rank]
+        assert all(a.end <= b.start + 1e-6 for a, b in zip(row, row[1:]))  # one pass at a time, in order
+    step = one_iteration(timeline, 1)
+    assert min(p.start for _, p in step.passes()) == 0.0
+
+
+def test_plot_trace_draws_measured_and_predicted(tmp_path):
+    trace = tmp_path / "trace.json"
+    run = launch(2, ["--model", "deep", "--deep-depth", "4", "--deep-width", "32", "--steps", "2",
+                     "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--gradient-accumulation-steps",
+                     "4", "--micro-batch-size", "2", "--trace", trace, "--dist-timeout", "60"], timeout=120)
+    assert run.ok, run.explain()
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/plot_trace.py"), str(trace), "--out",
+                          str(tmp_path / "t.png")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "t.png").stat().st_size > 10_000 and "predicted" in out.stdout
+
+
+def test_untraced_engines_do_no_timing_work():
+    from schedules.engine import SplitBackwardEngine
+    from schedules.trace import traced
+    plain, timed = SplitBackwardEngine._INSTRUCTION_MAP, traced(SplitBackwardEngine)._INSTRUCTION_MAP
+    assert plain.keys() == timed.keys()
+    assert all(plain[t] is not timed[t] for t in plain)  # only the traced class wraps its handlers
+    assert not any(f.__name__.startswith("traced") for f in plain.values())
