@@ -215,11 +215,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self.pipe_buffers['inputs'][slot] = None
 
     def _run_recv_grads(self, buffer_id, chunk):
-        slot = self._slot(buffer_id, chunk)
-        peer = self._peer(chunk, +1)
-        grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
-        dist.recv(grad, self._rank_of(peer), group=self._channel['grad'])
-        self._grads[slot] = grad
+        self._recv_grad(self._slot(buffer_id, chunk), self._rank_of(self._peer(chunk, +1)), group=self._channel['grad'])
 
     _INSTRUCTION_MAP = {
         **SplitBackwardEngine._INSTRUCTION_MAP,

@@ -185,21 +185,13 @@ def dualpipe_order(p, m, rank):
 
 # --- the DeepSpeed schedule ---------------------------------------------------------------------
 from schedules.chunked_engine import ChunkedEngine  # noqa: E402
-from schedules.ordered import OrderedSchedule  # noqa: E402
+from schedules.ordered import ordered_schedule  # noqa: E402
 from schedules.placement import MirrorPlacement  # noqa: E402
 from schedules.registry import register_schedule  # noqa: E402
 
 
-class DualPipeSchedule(OrderedSchedule):
-    name, placement_cls = "dualpipe", MirrorPlacement
-
-    @classmethod
-    def check(cls, micro_batches, stages):
-        check_dualpipe(stages, micro_batches)
-
-    def compute_order(self):
-        return dualpipe_order(self.stages, self.micro_batches, self.stage_id)
-
+DualPipeSchedule = ordered_schedule("dualpipe", MirrorPlacement, dualpipe_order, check_dualpipe,
+                                    "DualPipe on the mirror placement, with deferred W.")
 
 register_schedule("dualpipe", DualPipeSchedule, MirrorPlacement,
                   "DualPipe (DeepSeek-V3): bidirectional, two copies of each stage, deferred W", engine=ChunkedEngine)

@@ -139,9 +139,12 @@ class SplitBackwardEngine(PipelineEngine):
         # A fresh tensor per micro-batch, not the stock engine's one reused buffer: autograd hands
         # the received gradient itself (through residual adds) to the last linear layers, whose
         # deferred W work keeps it until it runs, after later gradients have arrived.
-        grad = torch.empty_like(self.pipe_buffers['outputs'][buffer_id])
-        dist.recv(grad, self.grid.stage_to_global(stage_id=self.next_stage))
-        self._grads[buffer_id] = grad
+        self._recv_grad(buffer_id, self.grid.stage_to_global(stage_id=self.next_stage))
+
+    def _recv_grad(self, slot, src, group=None):
+        grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
+        dist.recv(grad, src, group=group)
+        self._grads[slot] = grad
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -139,3 +139,12 @@ class OrderedSchedule(ds.PipeSchedule):
                 self._after(kind, mb, chunk)
         if not self.forward_only:
             yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+
+
+def ordered_schedule(name, placement_cls, order, check, doc):
+    """An OrderedSchedule class for a schedule defined by `order(p, m, rank)` (its passes, see above)
+    and `check(p, m)` (raises ValueError naming the flag)."""
+    return type(f"OrderedSchedule[{name}]", (OrderedSchedule, ), {
+        "__doc__": doc, "name": name, "placement_cls": placement_cls,
+        "check": classmethod(lambda cls, micro_batches, stages: check(stages, micro_batches)),
+        "compute_order": lambda self: order(self.stages, self.micro_batches, self.stage_id)})

@@ -117,3 +117,17 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
         fig.savefig(path, dpi=120, bbox_inches='tight')
         plt.close(fig)
     return fig
+
+
+def plot_measured_vs_predicted(measured, predicted, path, title=''):
+    """A traced step (top) and the simulator's prediction of it (bottom), on one time scale."""
+    _, span = measured.span()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 1.2 * measured.num_ranks * 2 + 2))
+    plot_timeline(measured, ax=top, title=f"{title}measured step: {span * 1e3:.1f} ms")
+    plot_timeline(predicted.timeline, ax=bottom,
+                  title=f"{title}simulated from the measured costs: {predicted.makespan * 1e3:.1f} ms")
+    for ax in (top, bottom):
+        ax.set_xlim(0, max(span, predicted.makespan))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -148,32 +148,14 @@ def dualpipev_order(p, m, rank):
 
 # --- the DeepSpeed schedules --------------------------------------------------------------------
 from schedules.chunked_engine import ChunkedEngine  # noqa: E402
-from schedules.ordered import OrderedSchedule  # noqa: E402
+from schedules.ordered import ordered_schedule  # noqa: E402
 from schedules.placement import VPlacement  # noqa: E402
 from schedules.registry import register_schedule  # noqa: E402
 
 
-class ZBVSchedule(OrderedSchedule):
-    name, placement_cls = "zb-v", VPlacement
-
-    @classmethod
-    def check(cls, micro_batches, stages):
-        check_zbv(stages, micro_batches)
-
-    def compute_order(self):
-        return zbv_order(self.stages, self.micro_batches, self.stage_id)
-
-
-class DualPipeVSchedule(OrderedSchedule):
-    name, placement_cls = "dualpipev", VPlacement
-
-    @classmethod
-    def check(cls, micro_batches, stages):
-        check_dualpipev(stages, micro_batches)
-
-    def compute_order(self):
-        return dualpipev_order(self.stages, self.micro_batches, self.stage_id)
-
+ZBVSchedule = ordered_schedule("zb-v", VPlacement, zbv_order, check_zbv, "ZB-V on the V placement.")
+DualPipeVSchedule = ordered_schedule("dualpipev", VPlacement, dualpipev_order, check_dualpipev,
+                                     "DualPipeV on the V placement, with deferred W.")
 
 register_schedule("zb-v", ZBVSchedule, VPlacement, "ZB-V: V placement, split backward, 1F1B memory",
                   engine=ChunkedEngine)

@@ -15,11 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from schedules.plot import plot_timeline
+    from schedules.plot import plot_measured_vs_predicted
     from schedules.trace import load_chrome_trace, one_iteration, predict
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,17 +30,9 @@ def main(argv=None):
     measured = one_iteration(timeline, iteration)
     predicted = predict(measured, args.latency_us * 1e-6)
     _, span = measured.span()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 1.2 * measured.num_ranks * 2 + 2))
-    name = measured.meta.get("schedule")
-    plot_timeline(measured, ax=top, title=f"{name}: traced step {iteration}, {span * 1e3:.1f} ms")
-    plot_timeline(predicted.timeline, ax=bottom,
-                  title=f"{name}: simulated from the measured costs, {predicted.makespan * 1e3:.1f} ms")
-    limit = max(span, predicted.makespan)
-    for ax in (top, bottom):
-        ax.set_xlim(0, limit)
-    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=110)
+    plot_measured_vs_predicted(measured, predicted, args.out,
+                               title=f"{measured.meta.get('schedule')}, step {iteration}: ")
     print(f"{args.out}: measured {span * 1e3:.2f} ms, predicted {predicted.makespan * 1e3:.2f} ms")
 
 

@@ -1,0 +1,288 @@
+"""Every pipeline schedule on the same model, data and ranks: throughput, bubble and activation memory,
+measured side by side and held against the simulator's prediction from the costs measured in the run.
+
+    python scripts/benchmark_schedules.py                      # 2 ranks, 4 and 8 micro-batches
+    python scripts/benchmark_schedules.py --what memory        # peak activation bytes per schedule
+
+Throughput: for each micro-batch count, ONE launch of 2 ranks (one thread each: 4 ranks on 2
+cores would measure the OS scheduler) builds an engine per schedule, each with its own copy of the
+model, and runs them in rounds (the order rotating every round), so drift on this noisy machine
+hits all schedules alike. Per schedule: median step time, samples/s, the ratio to stock 1F1B; from
+a traced step per round, the measured bubble fraction per rank; and the simulator's synchronised
+prediction of the same figures from the F, B, W, BW times measured in those traces and a p2p
+latency measured by ping-pong. Memory: one launch per schedule, peak bytes saved for backward
+(deferred W work included) and peak RSS per rank, beside the simulator's activation units.
+Writes JSON, text and a plot under --out; states the machine it ran on.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--what", choices=["throughput", "memory", "both"], default="throughput")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
+    p.add_argument("--deep-width", type=int, default=1024)
+    p.add_argument("--deep-depth", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--out", default="runs/schedules")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--worker", choices=["throughput", "memory"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker: one rank
+# --------------------------------------------------------------------------------------------
+def build_engine(name, args, m):
+    import deep_model
+    import schedules
+    from schedules.registry import schedule_spec
+    model = deep_model.get_model(pipeline_num_stages=args.stages, pipeline_spec_layers=True, width=args.deep_width,
+                                 depth=args.deep_depth, pipe_module=schedule_spec(name).pipe_module)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 10**9}
+    engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
+                                      trace=True)
+    return engine
+
+
+def ping_pong_latency(rank, nbytes, repeats=50):
+    """One-way time of a point-to-point message of `nbytes` between ranks 0 and 1 (half a round trip)."""
+    import torch
+    import torch.distributed as dist
+    x = torch.zeros(nbytes // 4)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+    return (time.perf_counter() - t0) / repeats / 2
+
+
+def worker(args):
+    from datetime import timedelta
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from deep_model import synthetic_micro_batch
+    from schedules.memory import SavedTensorTracker, peak_rss_bytes, reset_peak_rss
+    from schedules.trace import Tracer, engine_placement
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    rank, m = dist.get_rank(), args.micro_batches[0]
+    batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+    result = {"rank": rank, "schedules": {}}
+    names = args.schedules
+    engines = {name: build_engine(name, args, m) for name in names}
+    for engine in engines.values():
+        engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
+    if args.worker == "memory":
+        for name, engine in engines.items():
+            engine.train_batch(iter(batches))  # warm-up: buffers, shapes
+            reset_peak_rss()
+            with SavedTensorTracker(ignore=list(engine.module.parameters())) as tracker:
+                engine.train_batch(iter(batches))
+            result["schedules"][name] = {"peak_saved_bytes": tracker.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
+                                         "param_bytes": sum(p.numel() * 4 for p in engine.module.parameters())}
+    else:
+        result["latency_s"] = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4)
+        steps = {name: [] for name in names}
+        dist.barrier()
+        origin = time.perf_counter()
+        for name in names:
+            engines[name].tracer.origin = origin
+        for r in range(args.rounds + 1):  # round 0 warms up
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                engine = engines[name]
+                for s in range(args.steps_per_round):
+                    traced = r > 0 and s == args.steps_per_round - 1
+                    if traced:
+                        engine.tracer.start_iteration(r - 1)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    engine.train_batch(iter(batches))
+                    dt = time.perf_counter() - t0
+                    engine.tracer.stop()
+                    if r > 0:
+                        steps[name].append((dt, traced))
+        for name in names:
+            t = engines[name].tracer
+            result["schedules"][name] = {"steps": steps[name], "passes": [p.__dict__ for p in t.passes],
+                                         "p2p": t.p2p}
+    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: launch, collect, compare with the simulator
+# --------------------------------------------------------------------------------------------
+def launch_worker(args, what, m, names):
+    from local_launch import launch
+    out = tempfile.mkdtemp(prefix="bench-")
+    flags = ["--worker", what, "--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules",
+             *names, "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
+             args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round", args.steps_per_round]
+    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_schedules.py")
+    if not run.ok:
+        raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+
+
+def analyse_throughput(ranks, args, m):
+    from schedules.simulate import simulate
+    from schedules.timeline import Pass, Timeline
+    from schedules.plot import plot_measured_vs_predicted
+    from schedules.trace import measured_costs, one_iteration
+    latency = statistics.median(r["latency_s"] for r in ranks)
+    rows = {}
+    for name in ranks[0]["schedules"]:
+        untimed = [dt for dt, traced in ranks[0]["schedules"][name]["steps"] if not traced]
+        it = statistics.median(untimed)
+        timeline = Timeline([[Pass(**p) for p in r["schedules"][name]["passes"]] for r in ranks], "s",
+                            {"schedule": name, "stages": args.stages, "micro_batches": m})
+        spans, bubbles = [], [[] for _ in ranks]
+        for i in timeline.iterations():
+            t0, t1 = timeline.span(i)
+            spans.append(t1 - t0)
+            for r in range(len(ranks)):
+                bubbles[r].append(1 - timeline.busy(r, i) / (t1 - t0))
+        span = statistics.median(spans)
+        pred = simulate(name, args.stages, m, costs=measured_costs(timeline), latency=latency, iterations=1)
+        last = timeline.iterations()[-1]
+        plot_measured_vs_predicted(one_iteration(timeline, last), pred, os.path.join(args.out, f"{name}-m{m}.png"),
+                                   title=f"{name}, {args.stages} ranks, {m} micro-batches, ")
+        p2p = [statistics.median(sum(e - s for _, s, e, it in r["schedules"][name]["p2p"] if it == i)
+                                 for i in timeline.iterations()) for r in ranks]
+        overhead = it - span  # optimizer step, loss broadcast, Python around the schedule
+        rows[name] = {"iter_s": it, "samples_per_s": args.micro_batch_size * m / it, "span_s": span,
+                      "bubble": [statistics.median(b) for b in bubbles], "predicted_span_s": pred.makespan,
+                      "p2p_s": p2p,
+                      "predicted_iter_s": pred.makespan + overhead,
+                      "predicted_bubble": [row["idle_synced"] / pred.makespan for row in pred.per_rank]}
+    base = rows.get("1f1b")
+    for row in rows.values():
+        if base:
+            row["speedup"] = base["iter_s"] / row["iter_s"]
+            row["predicted_speedup"] = base["predicted_iter_s"] / row["predicted_iter_s"]
+    return {"latency_s": latency, "schedules": rows}
+
+
+def analyse_memory(ranks, args, m):
+    from schedules.simulate import simulate
+    rows = {}
+    for name in ranks[0]["schedules"]:
+        units = [row["peak_activation_memory"] for row in simulate(name, args.stages, m, iterations=1).per_rank]
+        saved = [r["schedules"][name]["peak_saved_bytes"] for r in ranks]
+        rows[name] = {"peak_saved_bytes": saved, "peak_rss_bytes": [r["schedules"][name]["peak_rss_bytes"] for r in ranks],
+                      "param_bytes": [r["schedules"][name]["param_bytes"] for r in ranks], "units": units,
+                      "bytes_per_unit": [s / u for s, u in zip(saved, units)]}
+    return rows
+
+
+def table_throughput(res, m):
+    lines = [f"m = {m}, p2p latency {res['latency_s'] * 1e6:.0f} us (ping-pong)",
+             f"{'schedule':20} {'step ms':>8} {'samples/s':>9} {'x 1F1B':>7} {'pred x':>7} "
+             f"{'span ms':>8} {'pred ms':>8}  bubble per rank: measured / predicted; p2p ms per rank"]
+    for name, r in res["schedules"].items():
+        bub = "  ".join(f"{b:5.1%}/{q:5.1%}" for b, q in zip(r["bubble"], r["predicted_bubble"]))
+        lines.append(f"{name:20} {r['iter_s'] * 1e3:8.1f} {r['samples_per_s']:9.0f} {r.get('speedup', 1):7.2f} "
+                     f"{r.get('predicted_speedup', 1):7.2f} {r['span_s'] * 1e3:8.1f} {r['predicted_span_s'] * 1e3:8.1f}"
+                     f"  {bub}; " + " ".join(f"{t * 1e3:.1f}" for t in r["p2p_s"]))
+    return lines
+
+
+def table_memory(rows, m):
+    lines = [f"m = {m}: peak activation bytes per rank (MiB), simulator units, MiB per unit; peak RSS (MiB)",
+             f"{'schedule':20} {'saved MiB':>16} {'units':>12} {'MiB/unit':>14} {'peak RSS':>14}"]
+    for name, r in rows.items():
+        fmt = lambda xs, f: " ".join(f(x) for x in xs)  # noqa: E731
+        lines.append(f"{name:20} {fmt(r['peak_saved_bytes'], lambda x: f'{x / 2**20:7.1f}'):>16} "
+                     f"{fmt(r['units'], lambda x: f'{x:5.1f}'):>12} "
+                     f"{fmt(r['bytes_per_unit'], lambda x: f'{x / 2**20:6.2f}'):>14} "
+                     f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:6.0f}'):>14}")
+    return lines
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (m, res) in zip(axes[0], results.items()):
+        names = list(res["schedules"])
+        measured = [res["schedules"][n].get("speedup", 1) for n in names]
+        predicted = [res["schedules"][n].get("predicted_speedup", 1) for n in names]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], measured, 0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], predicted, 0.4, label="predicted")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(x), names, rotation=40, ha="right")
+        ax.set_title(f"speed-up over stock 1F1B, {m} micro-batches")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        args.micro_batches = args.micro_batches[:1]
+        return worker(args)
+    from schedules.memory import machine_line
+    from schedules.registry import available_schedules, schedule_spec
+    os.makedirs(args.out, exist_ok=True)
+    started = time.time()
+    report, lines = {"machine": machine_line(), "args": vars(args)}, [machine_line()]
+    for m in args.micro_batches:
+        names = []
+        for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
+            try:
+                schedule_spec(name).factory(micro_batches=m, stages=args.stages, stage_id=0)
+                names.append(name)
+            except ValueError as e:
+                lines.append(f"m = {m}: {name} skipped: {e}")
+        names.sort(key=lambda n: n != "1f1b")  # the reference first
+        if args.what in ("throughput", "both"):
+            res = analyse_throughput(launch_worker(args, "throughput", m, names), args, m)
+            report.setdefault("throughput", {})[m] = res
+            lines += table_throughput(res, m)
+        if args.what in ("memory", "both"):  # one launch per schedule: peak RSS is per process
+            per_schedule = [launch_worker(args, "memory", m, [name]) for name in names]
+            ranks = [{"schedules": {k: v for run in per_schedule for k, v in run[r]["schedules"].items()}}
+                     for r in range(args.stages)]
+            rows = analyse_memory(ranks, args, m)
+            report.setdefault("memory", {})[m] = rows
+            lines += table_memory(rows, m)
+    lines.append(f"took {time.time() - started:.0f} s")
+    print("\n".join(lines))
+    with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, f"{args.what}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if "throughput" in report:
+        plot(report["throughput"], os.path.join(args.out, "throughput.png"))
+
+
+if __name__ == "__main__":
+    main()

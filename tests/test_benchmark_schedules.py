@@ -1,0 +1,27 @@
+"""Smoke test of scripts/benchmark_schedules.py: a tiny run produces every figure it reports."""
+import json
+import subprocess
+import sys
+
+from local_launch import ROOT
+
+
+def test_tiny_benchmark_reports_every_figure(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark_schedules.py"), "--what", "both",
+                          "--rounds", "1", "--steps-per-round", "2", "--deep-width", "64", "--deep-depth", "8",
+                          "--micro-batch-size", "4", "--micro-batches", "4", "--schedules", "1f1b", "zb-h1", "zb-v",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "both.json").read_text())
+    assert "Xeon" in report["machine"] or "cores" in report["machine"]
+    rows = report["throughput"]["4"]["schedules"]
+    assert list(rows) == ["1f1b", "zb-h1", "zb-v"]
+    for row in rows.values():
+        assert row["iter_s"] > 0 and row["samples_per_s"] > 0 and row["predicted_span_s"] > 0
+        assert len(row["bubble"]) == len(row["predicted_bubble"]) == 2
+        assert all(0 <= b < 1 for b in row["bubble"] + row["predicted_bubble"])
+    assert rows["1f1b"]["speedup"] == 1.0
+    memory = report["memory"]["4"]
+    assert memory["zb-v"]["units"] == [2.0, 2.0]  # ZB-V: 1F1B's p on every rank
+    assert all(b > 0 for row in memory.values() for b in row["peak_saved_bytes"])
+    assert (tmp_path / "throughput.png").exists()
