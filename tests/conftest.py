@@ -8,27 +8,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 @pytest.fixture(scope="session")
 def sgd_config(tmp_path_factory):
-    """sgd_config(zero=1): a ds_config.json for the equivalence tests (tests/training.py)."""
+    """sgd_config(zero=1, clip=0.0): a ds_config.json for the equivalence tests (tests/training.py)."""
     from training import write_sgd_config
     made = {}
 
-    def config(zero=1):
-        if zero not in made:
-            made[zero] = write_sgd_config(tmp_path_factory.mktemp("cfg") / f"sgd-zero{zero}.json", zero)
-        return made[zero]
+    def config(zero=1, clip=0.0):
+        if (zero, clip) not in made:
+            made[(zero, clip)] = write_sgd_config(tmp_path_factory.mktemp("cfg") / f"sgd-zero{zero}-clip{clip}.json",
+                                                  zero, clip)
+        return made[(zero, clip)]
     return config
 
 
 @pytest.fixture(scope="session")
 def references(sgd_config, tmp_path_factory):
-    """references(micro_batches, model): the same training on one rank, without a pipeline (cached)."""
+    """references(micro_batches, model, clip): the same training on one rank, without a pipeline (cached)."""
     from training import TINY, train
     made = {}
 
-    def reference(micro_batches=8, model=TINY):
-        key = (micro_batches, tuple(model))
+    def reference(micro_batches=8, model=TINY, clip=0.0):
+        key = (micro_batches, tuple(model), clip)
         if key not in made:
-            made[key] = train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"], sgd_config(),
-                              micro_batches, model=model)
+            made[key] = train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"],
+                              sgd_config(clip=clip), micro_batches, model=model)
         return made[key]
     return reference

@@ -46,6 +46,17 @@ def test_chunked_schedule_matches_non_pipelined(case, sgd_config, references, tm
     assert_same_training(result, references(micro_batches, TINY_CHUNKED))
 
 
+def test_dualpipe_clipping_counts_each_parameter_once(sgd_config, references, tmp_path):
+    """With gradient clipping on (and biting: the clip is far below the gradient norm), DualPipe's two
+    copies of each stage must not count twice in the global norm: same weights as one rank."""
+    result = train(tmp_path, 2, PP2 + ["--pipeline-schedule", "dualpipe"], sgd_config(clip=0.05), 4,
+                   model=TINY_CHUNKED)
+    clipped = references(4, TINY_CHUNKED, clip=0.05)
+    assert_same_training(result, clipped)
+    unclipped = references(4, TINY_CHUNKED)
+    assert max((clipped[2][k] - unclipped[2][k]).abs().max().item() for k in unclipped[2]) > 1e-3
+
+
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipe"])
 def test_resume_gives_the_same_next_losses(schedule, tmp_path):
     """Checkpoints hold each chunk's layers (DualPipe: one copy of each stage, loaded into both)."""

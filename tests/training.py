@@ -19,10 +19,10 @@ COMMON = ["--steps", "2", "--seed", "3", "--optimizer", "sgd", "--lr", "0.5", "-
           "--dist-timeout", "120", "--eval-interval", "2", "--eval-batches", "1"]
 
 
-def write_sgd_config(path, zero=1):
+def write_sgd_config(path, zero=1, clip=0.0):
     cfg = json.loads((ROOT / "ds_config.json").read_text())
     cfg.pop("scheduler")
-    cfg["gradient_clipping"] = 0.0
+    cfg["gradient_clipping"] = clip
     cfg["zero_optimization"]["stage"] = zero
     path.write_text(json.dumps(cfg))
     return path
