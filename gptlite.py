@@ -166,7 +166,7 @@ def CrossEntropyLoss_FlatView(logits, labels):
 
 def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
-              partition_method="parameters", pipe_module=None, **config_overrides):
+              partition_method="parameters", pipe_module=None, partition_weights=None, **config_overrides):
     """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds.
 
     `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
@@ -177,7 +177,8 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     if not pipeline_num_stages:
         return GPTlite(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
-                       activation_checkpoint_interval=activation_checkpoint_interval)
+                       activation_checkpoint_interval=activation_checkpoint_interval,
+                       partition_weights=partition_weights)
     if pipe_module is not None:
         specs = layer_specs(config)
         layers = ([SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))] if pipeline_spec_layers else

@@ -87,10 +87,24 @@ class LayerPipe(PipelineModule):
     """
     checkpointable: tuple = ()
 
-    def __init__(self, *args, checkpointable=None, **kwargs):
+    def __init__(self, *args, checkpointable=None, partition_weights=None, **kwargs):
         if checkpointable is not None:
             self.checkpointable = tuple(checkpointable)
+        self.partition_weights = partition_weights  # per-layer costs to balance, e.g. measured times
         super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method='uniform'):
+        """DeepSpeed's partition methods, plus `partition_weights`: stages of balanced total weight
+        (the same balancing DeepSpeed's 'parameters' method does with parameter counts)."""
+        if self.partition_weights is None:
+            return super()._partition_layers(method)
+        if len(self.partition_weights) != len(self._layer_specs):
+            raise ValueError(f"partition_weights has {len(self.partition_weights)} entries for "
+                             f"{len(self._layer_specs)} layers")
+        from deepspeed.runtime import utils as ds_utils
+        self.parts = ds_utils.partition_balanced(weights=list(self.partition_weights), num_parts=self.num_stages)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def forward(self, x):
         interval = self.activation_checkpoint_interval

@@ -79,7 +79,7 @@ def stock_dualpipev_module(layers, **kwargs):
     DualPipeVEngine."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-    class StockDualPipeVModule(LayerPipe, DualPipeVModule):
+    class StockDualPipeVModule(DualPipeVModule, LayerPipe):  # DualPipeV's partition first, then ours
         pass
 
     return StockDualPipeVModule(layers=layers, **kwargs)

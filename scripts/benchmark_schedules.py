@@ -31,6 +31,10 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
+    p.add_argument("--model", choices=["deep", "gptlite"], default="deep",
+                   help="gptlite: its stages balanced by measured per-layer cost")
+    p.add_argument("--model-size", default="small", help="GPTlite size")
+    p.add_argument("--partition-weights", type=float, nargs="+", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deep-width", type=int, default=1024)
     p.add_argument("--deep-depth", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=32)
@@ -48,15 +52,47 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------
 def build_engine(name, args, m):
     import deep_model
+    import gptlite
     import schedules
     from schedules.registry import schedule_spec
-    model = deep_model.get_model(pipeline_num_stages=args.stages, pipeline_spec_layers=True, width=args.deep_width,
-                                 depth=args.deep_depth, pipe_module=schedule_spec(name).pipe_module)
+    pipe = dict(pipeline_num_stages=args.stages, pipeline_spec_layers=True, pipe_module=schedule_spec(name).pipe_module)
+    if args.model == "gptlite":
+        model = gptlite.get_model(model_size=args.model_size, partition_weights=args.partition_weights, **pipe)
+    else:
+        model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, **pipe)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "steps_per_print": 10**9}
     engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
                                       trace=True)
     return engine
+
+
+def model_width(args):
+    from gptlite import MODEL_SIZES
+    return MODEL_SIZES[args.model_size].n_embd
+
+
+def gptlite_layer_costs(args, repeats=5):
+    """Seconds of forward + backward of each GPTlite layer on one micro-batch, one thread: the
+    weights that balance the stages (the 50257-token head would otherwise make one stage dominate)."""
+    import torch
+    import gptlite
+    torch.set_num_threads(1)
+    config = gptlite.MODEL_SIZES[args.model_size]
+    layers = gptlite.GPTlite(config).to_layers()
+    x = torch.randint(0, config.vocab_size, (args.micro_batch_size, config.block_size))
+    costs = []
+    for layer in layers:
+        times = []
+        for _ in range(repeats):
+            inp = x if not x.is_floating_point() else x.detach().requires_grad_()
+            t0 = time.perf_counter()
+            out = layer(inp)
+            out.backward(torch.ones_like(out))
+            times.append(time.perf_counter() - t0)
+        costs.append(sorted(times)[len(times) // 2])
+        x = out.detach()
+    return costs
 
 
 def ping_pong_latency(rank, nbytes, repeats=50):
@@ -89,7 +125,14 @@ def worker(args):
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
     rank, m = dist.get_rank(), args.micro_batches[0]
-    batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+    if args.model == "gptlite":  # random tokens: the schedules, not the data, are measured
+        from gptlite import MODEL_SIZES
+        g = torch.Generator().manual_seed(0)
+        shape = (args.micro_batch_size, MODEL_SIZES[args.model_size].block_size)
+        batches = [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
+                   for _ in range(m)]
+    else:
+        batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
     result = {"rank": rank, "schedules": {}}
     names = args.schedules
     engines = {name: build_engine(name, args, m) for name in names}
@@ -104,7 +147,8 @@ def worker(args):
             result["schedules"][name] = {"peak_saved_bytes": tracker.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
                                          "param_bytes": sum(p.numel() * 4 for p in engine.module.parameters())}
     else:
-        result["latency_s"] = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4)
+        width = args.deep_width if args.model == "deep" else batches[0][0].numel() * model_width(args)
+        result["latency_s"] = ping_pong_latency(rank, args.micro_batch_size * width * 4)
         steps = {name: [] for name in names}
         dist.barrier()
         origin = time.perf_counter()
@@ -142,7 +186,10 @@ def launch_worker(args, what, m, names):
     out = tempfile.mkdtemp(prefix="bench-")
     flags = ["--worker", what, "--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules",
              *names, "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
-             args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round", args.steps_per_round]
+             args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round", args.steps_per_round,
+             "--model", args.model, "--model-size", args.model_size]
+    if args.partition_weights:
+        flags += ["--partition-weights", *args.partition_weights]
     run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_schedules.py")
     if not run.ok:
         raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
@@ -175,7 +222,9 @@ def analyse_throughput(ranks, args, m):
         p2p = [statistics.median(sum(e - s for _, s, e, it in r["schedules"][name]["p2p"] if it == i)
                                  for i in timeline.iterations()) for r in ranks]
         overhead = it - span  # optimizer step, loss broadcast, Python around the schedule
-        rows[name] = {"iter_s": it, "samples_per_s": args.micro_batch_size * m / it, "span_s": span,
+        tokens = 1 if args.model == "deep" else __import__("gptlite").MODEL_SIZES[args.model_size].block_size
+        rows[name] = {"iter_s": it, "samples_per_s": args.micro_batch_size * m / it,
+                      "tokens_per_s": args.micro_batch_size * m * tokens / it, "span_s": span,
                       "bubble": [statistics.median(b) for b in bubbles], "predicted_span_s": pred.makespan,
                       "p2p_s": p2p,
                       "predicted_iter_s": pred.makespan + overhead,
@@ -202,11 +251,12 @@ def analyse_memory(ranks, args, m):
 
 def table_throughput(res, m):
     lines = [f"m = {m}, p2p latency {res['latency_s'] * 1e6:.0f} us (ping-pong)",
-             f"{'schedule':20} {'step ms':>8} {'samples/s':>9} {'x 1F1B':>7} {'pred x':>7} "
+             f"{'schedule':20} {'step ms':>8} {'samples/s':>9} {'tokens/s':>9} {'x 1F1B':>7} {'pred x':>7} "
              f"{'span ms':>8} {'pred ms':>8}  bubble per rank: measured / predicted; p2p ms per rank"]
     for name, r in res["schedules"].items():
         bub = "  ".join(f"{b:5.1%}/{q:5.1%}" for b, q in zip(r["bubble"], r["predicted_bubble"]))
-        lines.append(f"{name:20} {r['iter_s'] * 1e3:8.1f} {r['samples_per_s']:9.0f} {r.get('speedup', 1):7.2f} "
+        lines.append(f"{name:20} {r['iter_s'] * 1e3:8.1f} {r['samples_per_s']:9.0f} {r['tokens_per_s']:9.0f} "
+                     f"{r.get('speedup', 1):7.2f} "
                      f"{r.get('predicted_speedup', 1):7.2f} {r['span_s'] * 1e3:8.1f} {r['predicted_span_s'] * 1e3:8.1f}"
                      f"  {bub}; " + " ".join(f"{t * 1e3:.1f}" for t in r["p2p_s"]))
     return lines
@@ -254,6 +304,10 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     report, lines = {"machine": machine_line(), "args": vars(args)}, [machine_line()]
+    if args.model == "gptlite":
+        args.partition_weights = gptlite_layer_costs(args)
+        lines.append("GPTlite " + args.model_size + ", stages balanced by measured layer cost (ms): " +
+                     " ".join(f"{c * 1e3:.1f}" for c in args.partition_weights))
     for m in args.micro_batches:
         names = []
         for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
