@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from schedules.engine import SplitBackwardEngine
 from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
 
+
 class ChunkedEngine(SplitBackwardEngine):
 
     def __init__(self, *args, **kwargs):
@@ -37,7 +38,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self._nbuf = 1
         everyone = list(range(dist.get_world_size()))
         self._channel = {'act': dist.new_group(everyone), 'grad': dist.new_group(everyone)}
-        self._mirror = self.placement.direction(1) == 1 if self.placement.chunks > 1 else False
+        self._mirror = any(self.placement.direction(c) == 1 for c in range(self.placement.chunks))
         if self._mirror:
             self._mirror_group, self._loss_group = self._mirror_groups()
 
@@ -64,17 +65,18 @@ class ChunkedEngine(SplitBackwardEngine):
         return self.placement.is_last(self.stage_id, self._chunk)
 
     def _loss_stage_global_rank(self):
-        last = self.module.placement.num_model_stages - 1
-        rank = next(r for r in range(self.num_stages) for c in range(self.module.placement.chunks)
-                    if self.module.placement.stage(r, c) == last and self.module.placement.direction(c) in (None, 0))
+        """The rank holding the last model stage (of the first direction, for the mirror placement)."""
+        placement = self.module.placement  # also asked during PipelineEngine.__init__
+        rank = next(r for r in range(self.num_stages) for c in range(placement.chunks)
+                    if placement.direction(c) in (None, 0) and placement.is_last(r, c))
         return self.grid.stage_to_global(rank)
 
     def _slot(self, buffer_id, chunk):
         return chunk * self._nbuf + buffer_id
 
     def _peer(self, chunk, step):
-        peer = self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
-        return None if peer is None else peer
+        """(rank, chunk) of the stage `step` away downstream (+1) or upstream (-1); None at an end."""
+        return self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
 
     # --- schedule -------------------------------------------------------------------------
     def _train_schedule(self):
