@@ -170,13 +170,13 @@ class ChunkedEngine(SplitBackwardEngine):
                               for p, g in zip(params, grads)])
             dist.all_reduce(flat, group=self._mirror_group)
             offset = 0
-            for p, g in zip(params, grads):
-                summed = flat[offset:offset + p.numel()].view_as(p).to(p.dtype if g is None else g.dtype)
+            for p, g in zip(params, grads):  # the BF16 optimizer's fp32 gradients may be flat views
+                summed = flat[offset:offset + p.numel()]
                 offset += p.numel()
                 if g is None:
-                    p.grad = summed
+                    p.grad = summed.view_as(p).to(p.dtype)
                 else:
-                    g.copy_(summed)
+                    g.copy_(summed.view(g.shape))
         super()._exec_reduce_grads()
 
     def _aggregate_total_loss(self):
