@@ -241,15 +241,16 @@ def main(argv=None):
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    batch_of = micro_batch_source(args, mbs, cfg.get("bf16", {}).get("enabled", False))  # data errors surface before any process waits on another
+    # data errors surface here, before any process waits on another
+    batch_of = micro_batch_source(args, mbs, cfg.get("bf16", {}).get("enabled", False))
 
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl", timeout=timedelta(seconds=args.dist_timeout))
     rank = dist.get_rank()
     model, criterion = build_model(args)
-    client_optimizer = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = schedules.initialize(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
-                                           trace=bool(args.trace), model=model, optimizer=client_optimizer,
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           trace=bool(args.trace), model=model,
+                                           optimizer=build_optimizer(cfg, trainable), model_parameters=trainable,
                                            config=cfg)
     dp_rank = engine.grid.get_data_parallel_rank() if pp else rank
 
@@ -260,9 +261,10 @@ def main(argv=None):
         return [batch_of(split, first + j) for j in range(gas)]
 
     def dp_mean(value):
+        """Average over data-parallel ranks (non-pipelined path: every rank is one)."""
         if dp > 1:
             value = value.clone()
-            dist.all_reduce(value, group=None if not pp else engine.grid.get_data_parallel_group())
+            dist.all_reduce(value)
             value /= dp
         return value
 

@@ -79,9 +79,6 @@ class ChunkedEngine(SplitBackwardEngine):
         return self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
 
     # --- schedule -------------------------------------------------------------------------
-    def _train_schedule(self):
-        return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
-
     def _inference_schedule(self, micro_batches):
         return self.schedule_cls(micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id,
                                  forward_only=True)
