@@ -119,7 +119,7 @@ class ChunkedEngine(SplitBackwardEngine):
             out = self.pipe_buffers['outputs'][slot]
             self._handover[self._slot(buffer_id, down[1])] = out.detach().requires_grad_(torch.is_grad_enabled())
 
-    def _run_backward_input(self, buffer_id, chunk):
+    def _run_backward_input(self, buffer_id, chunk, fused=False):
         slot = self._slot(buffer_id, chunk)
         down = self._peer(chunk, +1)
         if down is not None and down[0] == self.stage_id:  # the gradient comes from the chunk after, here
@@ -127,15 +127,14 @@ class ChunkedEngine(SplitBackwardEngine):
             self._grads[slot] = self.pipe_buffers['inputs'][below].grad
             self.pipe_buffers['inputs'][below] = None
         with self._in_chunk(chunk):
-            SplitBackwardEngine._exec_backward_input_pass(self, slot)
+            (SplitBackwardEngine._exec_backward_pass if fused else SplitBackwardEngine._exec_backward_input_pass)(self, slot)
 
     def _run_backward_weight(self, buffer_id, chunk):
         with self._in_chunk(chunk):
             SplitBackwardEngine._exec_backward_weight_pass(self, self._slot(buffer_id, chunk))
 
     def _run_backward(self, buffer_id, chunk):
-        self._run_backward_input(buffer_id, chunk)
-        self._run_backward_weight(buffer_id, chunk)
+        self._run_backward_input(buffer_id, chunk, fused=True)
 
     def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         # One after the other today; the unit is where overlapping the two (DualPipe) would go.
@@ -203,9 +202,11 @@ class ChunkedEngine(SplitBackwardEngine):
         out = self.pipe_buffers['outputs'][self._slot(buffer_id, chunk)]
         self._send_activation(out, self._rank_of(self._peer(chunk, +1)), stream=chunk, group=self._channel['act'])
 
+    def _source(self, kind, chunk):
+        return self._rank_of(self._peer(chunk, -1 if kind == 'act' else +1)), self._channel[kind]
+
     def _run_recv_activations(self, buffer_id, chunk):
-        x = self._recv_activation(self._rank_of(self._peer(chunk, -1)), stream=chunk, group=self._channel['act'])
-        self.pipe_buffers['inputs'][self._slot(buffer_id, chunk)] = x
+        self.pipe_buffers['inputs'][self._slot(buffer_id, chunk)] = self._recv_activation(chunk)
 
     def _run_send_grads(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
@@ -214,7 +215,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self.pipe_buffers['inputs'][slot] = None
 
     def _run_recv_grads(self, buffer_id, chunk):
-        self._recv_grad(self._slot(buffer_id, chunk), self._rank_of(self._peer(chunk, +1)), group=self._channel['grad'])
+        self._recv_grad(self._slot(buffer_id, chunk), chunk)
 
     _INSTRUCTION_MAP = {
         **SplitBackwardEngine._INSTRUCTION_MAP,

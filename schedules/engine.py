@@ -10,6 +10,9 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   as a pass ends and go on computing. Sends complete before the batch ends (and before the
   gradient reduction); received data arrives in posting order per pair of ranks. An activation
   stream's shape goes ahead of its first tensor, once, asynchronously as well.
+- `RecvActivation` / `RecvGrad`: each channel's next receive is posted ahead, in the order the
+  step's own instruction stream gives (schedules/receive_ahead.py), so an early send is not
+  held up waiting for its receiver.
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
 needs it: the last stage's loss (its B may come after later forwards) and the received output
@@ -23,6 +26,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
+from schedules.receive_ahead import ReceiveAhead
 from schedules.simulate import StockPlacement
 from schedules.weight_grad import apply_weight_grads, defer_weight_grads
 
@@ -37,12 +41,18 @@ class SplitBackwardEngine(PipelineEngine):
         self._deferred = defaultdict(deque)      # buffer_id -> queues of weight-gradient work (FIFO)
         self._grads = {}                         # buffer_id -> received output gradient
         self._sends = []                         # (work, tensor) of sends in flight
-        self._shape_sent, self._shape_recvd = set(), {}  # activation streams whose shape went / came
+        self._shape_sent = set()                 # activation streams whose shape went out
+        self._ahead = ReceiveAhead(self.device)  # receives posted ahead, per channel
 
     def _train_schedule(self):
         return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
+    _RECEIVES = {ds.RecvActivation: 'act', ds.RecvGrad: 'grad'}
+
     def _exec_schedule(self, pipe_schedule):
+        receives = [(self._RECEIVES[type(cmd)], cmd.kwargs.get('chunk', 0)) for step in pipe_schedule for cmd in step
+                    if type(cmd) in self._RECEIVES]
+        self._ahead.start([(self._source(kind, chunk), (kind, chunk)) for kind, chunk in receives])
         try:
             super()._exec_schedule(pipe_schedule)
         finally:
@@ -58,14 +68,18 @@ class SplitBackwardEngine(PipelineEngine):
             self._losses[buffer_id] = self.loss
 
     def _exec_backward_input_pass(self, buffer_id):
+        with defer_weight_grads() as queue:
+            self._exec_stock_backward(buffer_id)
+        self._deferred[buffer_id].append(queue)
+
+    def _exec_stock_backward(self, buffer_id):
+        """DeepSpeed's backward of one micro-batch, on that micro-batch's loss or received gradient."""
         if self.is_last_stage():
             self.loss = self._losses.pop(buffer_id)
         else:
             self.grad_layer = self._grads.pop(buffer_id)
-        with defer_weight_grads() as queue:
-            super()._exec_backward_pass(buffer_id)
+        super()._exec_backward_pass(buffer_id)
         self.grad_layer = None
-        self._deferred[buffer_id].append(queue)
 
     def _exec_backward_weight_pass(self, buffer_id):
         if not self._deferred[buffer_id]:
@@ -83,9 +97,9 @@ class SplitBackwardEngine(PipelineEngine):
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _exec_backward_pass(self, buffer_id):  # a fused backward: B then W at once
-        self._exec_backward_input_pass(buffer_id)
-        self._exec_backward_weight_pass(buffer_id)
+    # A fused backward computes the weight gradients on the way, as the stock engine does (run as
+    # B then W it would hold W's inputs and output gradients at once, for nothing).
+    _exec_backward_pass = _exec_stock_backward
 
     # --- point to point -------------------------------------------------------------------
     # Activations go out with isend; the first one of each stream is preceded by its shape
@@ -102,14 +116,22 @@ class SplitBackwardEngine(PipelineEngine):
         tensor = tensor.contiguous()
         self._sends.append((dist.isend(tensor, dst, group=group), tensor))
 
-    def _recv_activation(self, src, stream, group=None):
-        if stream not in self._shape_recvd:
+    def _source(self, kind, chunk):
+        """(rank, communicator) that `chunk`'s activations ('act') or output gradients ('grad') come from."""
+        return self.grid.stage_to_global(stage_id=self.prev_stage if kind == 'act' else self.next_stage), None
+
+    def _recv_activation(self, chunk=0):
+        src, group = channel = self._source('act', chunk)
+
+        def first():  # the stream's shape comes ahead of its first tensor
             meta = torch.zeros(8, dtype=torch.long)
             dist.recv(meta, src, group=group)
-            self._shape_recvd[stream] = (self._DTYPES[int(meta[0])], tuple(meta[2:2 + int(meta[1])].tolist()))
-        dtype, shape = self._shape_recvd[stream]
-        x = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(x, src, group=group)
+            x = torch.empty(tuple(meta[2:2 + int(meta[1])].tolist()), dtype=self._DTYPES[int(meta[0])],
+                            device=self.device)
+            dist.recv(x, src, group=group)
+            return x
+
+        x = self._ahead.receive(channel, ('act', chunk), first)
         return x.requires_grad_(torch.is_grad_enabled())
 
     def _isend(self, tensor, dst, group=None):
@@ -127,8 +149,7 @@ class SplitBackwardEngine(PipelineEngine):
         self._send_activation(outputs, self.grid.stage_to_global(stage_id=self.next_stage), stream=0)
 
     def _exec_recv_activations(self, buffer_id):
-        self.pipe_buffers['inputs'][buffer_id] = self._recv_activation(
-            self.grid.stage_to_global(stage_id=self.prev_stage), stream=0)
+        self.pipe_buffers['inputs'][buffer_id] = self._recv_activation()
 
     def _exec_send_grads(self, buffer_id):
         inputs = self.pipe_buffers['inputs'][buffer_id]
@@ -139,12 +160,17 @@ class SplitBackwardEngine(PipelineEngine):
         # A fresh tensor per micro-batch, not the stock engine's one reused buffer: autograd hands
         # the received gradient itself (through residual adds) to the last linear layers, whose
         # deferred W work keeps it until it runs, after later gradients have arrived.
-        self._recv_grad(buffer_id, self.grid.stage_to_global(stage_id=self.next_stage))
+        self._recv_grad(buffer_id)
 
-    def _recv_grad(self, slot, src, group=None):
-        grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
-        dist.recv(grad, src, group=group)
-        self._grads[slot] = grad
+    def _recv_grad(self, slot, chunk=0):
+        src, group = channel = self._source('grad', chunk)
+
+        def first():
+            grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
+            dist.recv(grad, src, group=group)
+            return grad
+
+        self._grads[slot] = self._ahead.receive(channel, ('grad', chunk), first)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -47,7 +47,7 @@ class Compute:
     A forward's micro-batch is recovered by counting forwards per (chunk, direction), a backward's
     from the forward that filled its buffer; pass `micro_batch` to override. `pair=True` on
     several computes of one instruction draws them as one unit. `memory` overrides the
-    activation-memory delta (default: F adds the chunk size, BW frees it, B and W free half).
+    activation-memory delta (default: the simulation's memory table, see `simulate`).
     A 'W' without a buffer takes the oldest pending 'B' of its chunk.
     """
     kind: str
@@ -268,8 +268,9 @@ class _Rank:
 
 
 class _Simulation:
-    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only):
+    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory):
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
+        self.memory = memory  # (rank, chunk, kind, size) -> activation-memory delta of that pass
         # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
         first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
 
@@ -386,7 +387,7 @@ class _Simulation:
             if up is not None and up[0] == rk.rank and (it, up[1], e.direction, mb) not in rk.forwards:
                 raise fail(f'forward of micro-batch {mb} before its forward on the local upstream chunk {up[1]}')
             rk.forwards.add((it, e.chunk, e.direction, mb))
-            delta = 0.0 if self.forward_only else size
+            delta = 0.0 if self.forward_only else self.memory(rk.rank, e.chunk, 'F', size)
         elif self.forward_only:
             raise fail(f'a {e.kind} pass in a forward-only run')
         elif e.kind in ('B', 'BW'):
@@ -404,10 +405,11 @@ class _Simulation:
                 raise fail(f'backward of micro-batch {mb} before its backward on the local downstream chunk {down[1]}')
             rk.backwards.add((it, e.chunk, e.direction, mb))
             buf.grad, buf.out, buf.bwd = None, None, (it, mb)
+            delta = self.memory(rk.rank, e.chunk, e.kind, size)
             if e.kind == 'BW':
-                buf.act, delta = None, -size
+                buf.act = None
             else:
-                buf.b_done, delta = True, -size / 2
+                buf.b_done = True
                 rk.pending_w.append((e.chunk, e.buffer))
         elif e.kind == 'W':
             key = (e.chunk, e.buffer) if e.buffer is not None else next(
@@ -417,7 +419,7 @@ class _Simulation:
             rk.pending_w.remove(key)
             buf = rk.buffer(*key)
             mb = buf.act[1] if e.micro_batch is None else e.micro_batch
-            buf.act, buf.b_done, delta = None, False, -size / 2
+            buf.act, buf.b_done, delta = None, False, self.memory(rk.rank, e.chunk, 'W', size)
         else:
             raise fail(f'unknown pass kind {e.kind!r}')
 
@@ -575,8 +577,25 @@ def _cost_function(costs):
     return table, 's'
 
 
+def _memory_function(memory):
+    """None: units (F adds the chunk size, BW frees it, B and W free half each). Else a table
+    {(rank, chunk): {kind: delta}} of what a pass of each kind changes (e.g. bytes measured in a
+    run); a kind it lacks is derived: BW = -F, B = W = -F / 2 (or B = BW - W, W = BW - B)."""
+    if memory is None:
+        return lambda rank, chunk, kind, size: {'F': size, 'BW': -size, 'B': -size / 2, 'W': -size / 2}[kind]
+
+    def table(rank, chunk, kind, size):
+        m = memory[(rank, chunk)]
+        if kind in m:
+            return m[kind]
+        bw = m.get('BW', -m['F'])
+        other = {'B': 'W', 'W': 'B'}.get(kind)
+        return bw if kind == 'BW' else bw - m[other] if other in m else bw / 2
+    return table
+
+
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False):
+             forward_only=False, memory=None):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -584,6 +603,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), see _cost_function.
     latency: cost of every p2p message. iterations: how many to chain without barrier for the
     interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
+    memory: None for activation memory in units of the chunk size (the published convention: B
+    frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
     """
     name = schedule if isinstance(schedule, str) else getattr(schedule, '__name__', repr(schedule))
@@ -595,7 +616,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
 
     def run(n):
-        sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only)
+        sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
+                          _memory_function(memory))
         sim.run()
         return sim.ranks
 

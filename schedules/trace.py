@@ -32,6 +32,8 @@ class Tracer:
         self.rank, self.placement = rank, placement
         self.origin = None  # clock reading of step 0 of the trace, taken right after a barrier
         self.passes, self.p2p = [], []  # Pass records; (name, start, end, iteration) of p2p
+        self.memory = None  # optional: a SavedTensorTracker whose live bytes each pass changes
+        self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
         self.iteration = 0
         self.active = False
         self._pair = 0
@@ -51,7 +53,12 @@ class Tracer:
             return mb
         return self._buffer_mb[(chunk, buffer_id)]
 
-    def record(self, kind, chunk, buffer_id, start, end, pair=None):
+    def live_bytes(self):
+        return None if self.memory is None else self.memory.live_bytes
+
+    def record(self, kind, chunk, buffer_id, start, end, pair=None, live=(None, None)):
+        if live[0] is not None:
+            self.memory_deltas.append((chunk, kind, live[1] - live[0]))
         mb = self._micro_batch(kind, chunk, buffer_id)
         self.passes.append(Pass(kind, self.placement.stage(self.rank, chunk), chunk, mb, start - self.origin,
                                 end - self.origin, self.placement.direction(chunk), pair, self.iteration))
@@ -76,11 +83,12 @@ def _wrap(instr_type, handler):
         tracer = self.tracer
         if tracer is None or not tracer.active:
             return handler(self, **kwargs)
+        before = tracer.live_bytes()
         start = time.perf_counter()
         out = handler(self, **kwargs)
         end = time.perf_counter()
         if kind is not None:
-            tracer.record(kind, _chunk_of(kwargs), kwargs['buffer_id'], start, end)
+            tracer.record(kind, _chunk_of(kwargs), kwargs['buffer_id'], start, end, live=(before, tracer.live_bytes()))
         elif instr_type in P2P:
             tracer.record_p2p(instr_type.__name__, start, end)
         return out
@@ -91,13 +99,15 @@ def _wrap(instr_type, handler):
         if tracer is None or not tracer.active:
             return handler(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
         pair = tracer.next_pair()
+        m0 = tracer.live_bytes()
         t0 = time.perf_counter()
         self._run_forward(fwd_buffer, fwd_chunk)
         t1 = time.perf_counter()
+        m1 = tracer.live_bytes()
         (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
         t2 = time.perf_counter()
-        tracer.record('F', fwd_chunk, fwd_buffer, t0, t1, pair)
-        tracer.record('BW' if fused else 'B', bwd_chunk, bwd_buffer, t1, t2, pair)
+        tracer.record('F', fwd_chunk, fwd_buffer, t0, t1, pair, live=(m0, m1))
+        tracer.record('BW' if fused else 'B', bwd_chunk, bwd_buffer, t1, t2, pair, live=(m1, tracer.live_bytes()))
 
     return traced_pair if instr_type is ForwardBackwardPass else traced_handler
 
@@ -168,14 +178,29 @@ def one_iteration(timeline, iteration):
 
 
 def measured_costs(timeline):
-    """Median seconds per (rank, chunk) and pass kind, in the simulator's cost-table format.
+    """Mean seconds per (rank, chunk) and pass kind, in the simulator's cost-table format.
 
+    Means, not medians: a rank's predicted busy time is then its measured busy time, so the
+    prediction differs from the run only in how the passes were placed in time. (A step's first
+    pass of a kind is systematically slower, e.g. it allocates the gradients; a median would drop
+    that from the prediction altogether.)
     A paired unit's parts are timed apart; a kind never run (F/BW only on 1F1B) is left out, and
     the simulator derives it (BW = B + W, or B = W = BW / 2)."""
     times = {}
     for rank, p in timeline.passes():
         times.setdefault((rank, p.chunk), {}).setdefault(p.kind, []).append(p.duration)
-    return {key: {kind: sorted(v)[len(v) // 2] for kind, v in kinds.items()} for key, kinds in times.items()}
+    return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in times.items()}
+
+
+def measured_memory(deltas_by_rank):
+    """Mean activation-memory change per (rank, chunk) and pass kind, from each rank's
+    `Tracer.memory_deltas`: the simulator's `memory` table (means keep a micro-batch's F, B and
+    W summing to what it really frees)."""
+    table = {}
+    for rank, deltas in enumerate(deltas_by_rank):
+        for chunk, kind, delta in deltas:
+            table.setdefault((rank, chunk), {}).setdefault(kind, []).append(delta)
+    return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in table.items()}
 
 
 def predict(timeline, latency=0.0):

@@ -42,20 +42,34 @@ def defer_weight_grads():
         _queue = outer
 
 
-def apply_weight_grads(queue, backward=torch.autograd.backward):
+def apply_weight_grads(queue):
     """The W pass: compute the queued weight gradients and accumulate them into `.grad`.
 
-    They go through autograd (`backward` on the leaf parameters) rather than being written to
-    `.grad` directly, so gradient-accumulation hooks (DeepSpeed's among them) see them.
+    They go through autograd (a backward to the leaf parameters) rather than being written to
+    `.grad` directly, so gradient-accumulation hooks (DeepSpeed's among them) see them. Each one is
+    computed inside that backward, by `_Computed`, so that autograd owns it: a step's first
+    gradient then becomes `.grad` as it is instead of being copied (a gradient handed to
+    `backward()` by its caller is copied, because the caller still holds it), and one
+    gradient at a time is alive, not the whole queue's.
     """
-    params, grads = [], []
-    for work in queue:
-        for param, grad in work():
-            params.append(param)
-            grads.append(grad)
+    roots = [_Computed.apply(param, compute) for work in queue for param, compute in work.gradients()]
     queue.clear()
-    if params:
-        backward(params, grads)
+    if roots:
+        torch.autograd.backward(roots, [torch.ones(())] * len(roots))
+
+
+class _Computed(torch.autograd.Function):
+    """A scalar stand-in for `param` whose backward hands autograd `compute()` as its gradient."""
+
+    @staticmethod
+    def forward(ctx, param, compute):
+        ctx.compute = compute
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.compute = ctx.compute(), None
+        return grad, None
 
 
 class DeferredLinearGrad:
@@ -69,15 +83,18 @@ class DeferredLinearGrad:
         self.weight, self.bias, self.x, self.grad_out = weight, bias, x, grad_out
         self._tokens = None
 
-    def __call__(self):
-        """[(parameter, its gradient)] for this micro-batch."""
-        g = self.grad_out.reshape(-1, self.grad_out.shape[-1])
-        out = []
-        if self.weight is not None:
-            out.append((self.weight, g.t() @ self.x.reshape(-1, self.x.shape[-1])))
-        if self.bias is not None:
-            out.append((self.bias, g.sum(0)))
-        return out
+    def _g(self):
+        return self.grad_out.reshape(-1, self.grad_out.shape[-1])
+
+    def _weight_grad(self):
+        return self._g().t() @ self.x.reshape(-1, self.x.shape[-1])
+
+    def _bias_grad(self):
+        return self._g().sum(0)
+
+    def gradients(self):
+        """[(parameter, function computing its gradient for this micro-batch)]."""
+        return [(p, f) for p, f in ((self.weight, self._weight_grad), (self.bias, self._bias_grad)) if p is not None]
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -99,7 +116,7 @@ class _LinearFunction(torch.autograd.Function):
             work._tokens = [h.hold(x, grad_out) for h in _holders]
             _queue.append(work)
             return grad_x, None, None
-        grads = {id(p): g for p, g in work()}
+        grads = {id(p): compute() for p, compute in work.gradients()}
         return grad_x, grads.get(id(weight)), grads.get(id(ctx.bias))
 
 

@@ -3,7 +3,7 @@
     python scripts/plot_trace.py runs/trace.json --out runs/trace.png [--iteration K] [--latency-us L]
 
 Top: what the ranks did in one traced step (seconds). Bottom: the same schedule simulated with
-the F, B, W, BW times measured in that trace (medians per rank and chunk) and the given p2p
+the F, B, W, BW times measured in that trace (means per rank and chunk) and the given p2p
 latency. Same renderer, same scale: the differences are what the engine adds (p2p waits,
 per-instruction overhead) or what the schedule's cost model misses.
 """

@@ -107,6 +107,20 @@ def test_latency_and_costs_in_seconds():
     assert r.per_rank[1]['idle_synced'] == 2 * 6.0
 
 
+def test_activation_memory_from_measured_pass_deltas():
+    """W holding more than the forward saved (linear layers keep their input and output gradient):
+    B adds memory. ZB-H1's last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""
+    table = {(r, 0): {'F': 9.0, 'B': 7.0, 'W': -16.0} for r in range(2)}
+    res = simulate('zb-h1', 2, 4, iterations=1, memory=table)
+    assert res.per_rank[1]['peak_activation_memory'] == 32.0  # 9+7+9+7: two micro-batches waiting for W
+    assert simulate('zb-h1', 2, 4, iterations=1).per_rank[1]['peak_activation_memory'] == 1.5  # the convention
+    only_f = {(r, 0): {'F': 4.0} for r in range(2)}  # BW frees F, B and W half of it each
+    assert simulate('1f1b', 2, 4, iterations=1, memory=only_f).per_rank[0]['peak_activation_memory'] == 8.0
+    assert simulate('zb-h1', 2, 4, iterations=1, memory=only_f).per_rank[1]['peak_activation_memory'] == 6.0
+    w_given = {(r, 0): {'F': 4.0, 'W': -3.0} for r in range(2)}  # B = -4 - (-3)
+    assert simulate('zb-h1', 2, 4, iterations=1, memory=w_given).per_rank[1]['peak_activation_memory'] == 7.0
+
+
 # ----------------------------------------------------------------------------------------------
 # DeepSpeed's DualPipeV
 

@@ -6,7 +6,8 @@ import pytest
 
 from local_launch import ROOT, launch
 from schedules.simulate import simulate
-from schedules.trace import load_chrome_trace, one_iteration
+from schedules.timeline import Pass, Timeline
+from schedules.trace import load_chrome_trace, measured_costs, one_iteration, predict
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dualpipe"])
@@ -31,6 +32,23 @@ def test_trace_matches_the_schedule(schedule, tmp_path):
         assert all(a.end <= b.start + 1e-6 for a, b in zip(row, row[1:]))  # one pass at a time, in order
     step = one_iteration(timeline, 1)
     assert min(p.start for _, p in step.passes()) == 0.0
+
+
+def test_prediction_keeps_each_ranks_measured_busy_time():
+    """Costs are means per (rank, chunk, kind): a step's slow first W stays in the prediction."""
+    def timed(rank):  # a traced ZB-H1 step, W of micro-batch 0 three times slower than the others
+        order = simulate("zb-h1", 2, 4, iterations=1).timeline.ranks[rank]
+        clock, row = 0.0, []
+        for p in order:
+            d = {"F": 1.0, "B": 1.0, "W": 3.0 if p.micro_batch == 0 else 1.0}[p.kind] * (1 + rank)
+            row.append(Pass(p.kind, p.stage, p.chunk, p.micro_batch, clock, clock + d))
+            clock += d + 0.5
+        return row
+    traced = Timeline([timed(0), timed(1)], "s", {"schedule": "zb-h1", "stages": 2, "micro_batches": 4})
+    assert measured_costs(traced)[(1, 0)] == {"F": 2.0, "B": 2.0, "W": 3.0}
+    predicted = predict(traced)
+    for rank in range(2):
+        assert predicted.per_rank[rank]["busy"] == pytest.approx(traced.busy(rank))
 
 
 def test_plot_trace_draws_measured_and_predicted(tmp_path):
