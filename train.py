@@ -344,6 +344,7 @@ def main(argv=None):
     if tracer is not None:
         save_trace(engine, tracer, args)
     dist.barrier()
+    dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
 
 
 def run():

@@ -268,8 +268,10 @@ class _Rank:
 
 
 class _Simulation:
-    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory):
+    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
+                 p2p_cpu=(0.0, 0.0)):
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
+        self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
         self.memory = memory  # (rank, chunk, kind, size) -> activation-memory delta of that pass
         # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
         first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
@@ -490,6 +492,8 @@ class _Simulation:
                                         f'one overwrites the unused gradient of micro-batch {rk.grad_slot[1]}')
                 buf.grad = rk.grad_slot = mb
         op = _Op(rk.rank, peer[0], is_send, (e.kind, src, dst, e.direction, mb[0], mb[1]), rk.at(), on_match)
+        if is_send:
+            rk.clock += self.send_cpu
         if pl.batched_p2p:
             rk.queued.append(op)
         else:
@@ -513,6 +517,7 @@ class _Simulation:
                                     f'{r.describe()}, but the next message on that channel is {s.where} '
                                     f'trying to {s.describe()}')
             s.done = r.done = max(s.posted, r.posted) + self.latency
+            r.done += self.recv_cpu
             if r.on_match:
                 r.on_match()
 
@@ -595,14 +600,16 @@ def _memory_function(memory):
 
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False, memory=None):
+             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0)):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
     placement: a Placement subclass (default: the registered one, else StockPlacement).
     costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), see _cost_function.
-    latency: cost of every p2p message. iterations: how many to chain without barrier for the
-    interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
+    latency: cost of every p2p message, from its send (or its receive, if later) to its arrival.
+    p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
+    (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
+    iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
@@ -617,7 +624,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
     def run(n):
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory))
+                          _memory_function(memory), p2p_cpu)
         sim.run()
         return sim.ranks
 

@@ -169,6 +169,18 @@ def load_chrome_trace(path):
     return Timeline(rows, 's', dict(data.get("otherData", {}))), p2p
 
 
+def load_p2p_events(path):
+    """Each rank's traced p2p instructions in a trace file: [(name, start s, end s, iteration)]."""
+    with open(path) as f:
+        data = json.load(f)
+    ranks = {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "X" and e["cat"] == "p2p":
+            ranks.setdefault(e["pid"], []).append((e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                                                   e["args"]["iteration"]))
+    return [sorted(ranks.get(r, []), key=lambda e: e[1]) for r in range(max(ranks) + 1 if ranks else 0)]
+
+
 def one_iteration(timeline, iteration):
     """The passes of one traced step, on a clock starting at that step's first pass."""
     t0, _ = timeline.span(iteration)
@@ -203,9 +215,30 @@ def measured_memory(deltas_by_rank):
     return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in table.items()}
 
 
-def predict(timeline, latency=0.0):
+def measured_p2p_cpu(p2p_by_rank):
+    """(send, receive): seconds a data send / receive instruction takes on its own rank, from the
+    traced p2p records of a 2-rank run of engines with asynchronous sends: the median send (posting
+    it), and the median receive whose data had been sent before the receive began (so it did not
+    wait: taking the data in). Messages are matched per kind and step in order (one peer);
+    (0, 0) for other rank counts."""
+    import statistics
+    if len(p2p_by_rank) != 2:
+        return 0.0, 0.0
+    sends = [end - start for events in p2p_by_rank for name, start, end, _ in events if name.startswith('Send')]
+    ready = []
+    for rank in range(2):
+        for kind in ('Activation', 'Grad'):
+            for step in {e[3] for e in p2p_by_rank[rank]}:
+                recvs = [e for e in p2p_by_rank[rank] if e[0] == 'Recv' + kind and e[3] == step]
+                peer = [e for e in p2p_by_rank[1 - rank] if e[0] == 'Send' + kind and e[3] == step]
+                ready += [r[2] - r[1] for r, s in zip(recvs, peer) if s[2] <= r[1]]
+    median = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
+    return median(sends), median(ready)
+
+
+def predict(timeline, latency=0.0, p2p_cpu=(0.0, 0.0)):
     """The simulator's synchronised prediction of a traced run's schedule, from the costs it measured."""
     from schedules.simulate import simulate
     meta = timeline.meta
     return simulate(meta['schedule'], meta['stages'], meta['micro_batches'], costs=measured_costs(timeline),
-                    latency=latency, iterations=1)
+                    latency=latency, p2p_cpu=p2p_cpu, iterations=1)

@@ -160,6 +160,7 @@ def worker(args):
     with open(Path(args.result_dir) / f"rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
+    dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
 
 
 # ---------------------------------------------------------------------------------------------

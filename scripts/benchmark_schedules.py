@@ -9,9 +9,11 @@ cores would measure the OS scheduler) builds an engine per schedule, each with i
 model, and runs them in rounds (the order rotating every round), so drift on this noisy machine
 hits all schedules alike. Per schedule: median step time, samples/s, the ratio to stock 1F1B; from
 a traced step per round, the measured bubble fraction per rank; and the simulator's synchronised
-prediction of the same figures from the F, B, W, BW times measured in those traces and a p2p
-latency measured by ping-pong. Memory: one launch per schedule, peak bytes saved for backward
-(deferred W work included) and peak RSS per rank, beside the simulator's activation units.
+prediction of the same figures, step by traced step, from the F, B, W, BW times measured in that
+step, the p2p latency measured by ping-pong, and the time a send and a receive take on their own
+rank measured in the traces (trace.measured_p2p_cpu). Memory: one launch per schedule, peak bytes
+saved for backward (deferred W work included) and peak RSS per rank, beside the simulator's
+activation units and its peak from the per-pass bytes measured in the run.
 Writes JSON, text and a plot under --out; states the machine it ran on.
 """
 import argparse
@@ -182,6 +184,7 @@ def worker(args):
     with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+    dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,44 +206,51 @@ def launch_worker(args, what, m, names):
 
 
 def analyse_throughput(ranks, args, m):
+    from schedules.plot import plot_measured_vs_predicted
+    from schedules.registry import available_schedules
     from schedules.simulate import simulate
     from schedules.timeline import Pass, Timeline
-    from schedules.plot import plot_measured_vs_predicted
-    from schedules.trace import measured_costs, one_iteration
+    from schedules.trace import measured_costs, measured_p2p_cpu, one_iteration
     latency = statistics.median(r["latency_s"] for r in ranks)
+    traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
+    cpu = [measured_p2p_cpu(t) for name, t in traces.items() if available_schedules()[name].placement.async_sends]
+    p2p_cpu = tuple(statistics.median(c[i] for c in cpu) for i in range(2)) if cpu else (0.0, 0.0)
     rows = {}
     for name in ranks[0]["schedules"]:
         untimed = [dt for dt, traced in ranks[0]["schedules"][name]["steps"] if not traced]
         it = statistics.median(untimed)
         timeline = Timeline([[Pass(**p) for p in r["schedules"][name]["passes"]] for r in ranks], "s",
                             {"schedule": name, "stages": args.stages, "micro_batches": m})
-        spans, bubbles = [], [[] for _ in ranks]
-        for i in timeline.iterations():
+        spans, predicted, bubbles, predicted_bubbles = [], [], [[] for _ in ranks], [[] for _ in ranks]
+        for i in timeline.iterations():  # each traced step against its prediction from its own costs
+            step = one_iteration(timeline, i)
+            pred = simulate(name, args.stages, m, costs=measured_costs(step), latency=latency, p2p_cpu=p2p_cpu,
+                            iterations=1)
             t0, t1 = timeline.span(i)
             spans.append(t1 - t0)
+            predicted.append(pred.makespan)
             for r in range(len(ranks)):
                 bubbles[r].append(1 - timeline.busy(r, i) / (t1 - t0))
-        span = statistics.median(spans)
-        pred = simulate(name, args.stages, m, costs=measured_costs(timeline), latency=latency, iterations=1)
-        last = timeline.iterations()[-1]
-        plot_measured_vs_predicted(one_iteration(timeline, last), pred, os.path.join(args.out, f"{name}-m{m}.png"),
+                predicted_bubbles[r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
+        plot_measured_vs_predicted(step, pred, os.path.join(args.out, f"{name}-m{m}.png"),
                                    title=f"{name}, {args.stages} ranks, {m} micro-batches, ")
+        span, predicted_span = statistics.median(spans), statistics.median(predicted)
         p2p = [statistics.median(sum(e - s for _, s, e, it in r["schedules"][name]["p2p"] if it == i)
                                  for i in timeline.iterations()) for r in ranks]
         overhead = it - span  # optimizer step, loss broadcast, Python around the schedule
         tokens = 1 if args.model == "deep" else __import__("gptlite").MODEL_SIZES[args.model_size].block_size
         rows[name] = {"iter_s": it, "samples_per_s": args.micro_batch_size * m / it,
                       "tokens_per_s": args.micro_batch_size * m * tokens / it, "span_s": span,
-                      "bubble": [statistics.median(b) for b in bubbles], "predicted_span_s": pred.makespan,
+                      "bubble": [statistics.median(b) for b in bubbles], "predicted_span_s": predicted_span,
                       "p2p_s": p2p,
-                      "predicted_iter_s": pred.makespan + overhead,
-                      "predicted_bubble": [row["idle_synced"] / pred.makespan for row in pred.per_rank]}
+                      "predicted_iter_s": predicted_span + overhead,
+                      "predicted_bubble": [statistics.median(b) for b in predicted_bubbles]}
     base = rows.get("1f1b")
     for row in rows.values():
         if base:
             row["speedup"] = base["iter_s"] / row["iter_s"]
             row["predicted_speedup"] = base["predicted_iter_s"] / row["predicted_iter_s"]
-    return {"latency_s": latency, "schedules": rows}
+    return {"latency_s": latency, "p2p_cpu_s": p2p_cpu, "schedules": rows}
 
 
 def analyse_memory(ranks, args, m):
@@ -266,7 +276,8 @@ def analyse_memory(ranks, args, m):
 
 
 def table_throughput(res, m):
-    lines = [f"m = {m}, p2p latency {res['latency_s'] * 1e6:.0f} us (ping-pong)",
+    lines = [f"m = {m}, p2p latency {res['latency_s'] * 1e6:.0f} us (ping-pong); a send / a receive takes "
+             f"{res['p2p_cpu_s'][0] * 1e6:.0f} / {res['p2p_cpu_s'][1] * 1e6:.0f} us on its rank (traced)",
              f"{'schedule':20} {'step ms':>8} {'samples/s':>9} {'tokens/s':>9} {'x 1F1B':>7} {'pred x':>7} "
              f"{'span ms':>8} {'pred ms':>8}  bubble per rank: measured / predicted; p2p ms per rank"]
     for name, r in res["schedules"].items():

@@ -3,8 +3,8 @@
     python scripts/plot_trace.py runs/trace.json --out runs/trace.png [--iteration K] [--latency-us L]
 
 Top: what the ranks did in one traced step (seconds). Bottom: the same schedule simulated with
-the F, B, W, BW times measured in that trace (means per rank and chunk) and the given p2p
-latency. Same renderer, same scale: the differences are what the engine adds (p2p waits,
+the F, B, W, BW times measured in that trace (means per rank and chunk), the time a send and a
+receive take on their own rank measured in it (2-rank traces), and the given p2p latency. Same renderer, same scale: the differences are what the engine adds (p2p waits,
 per-instruction overhead) or what the schedule's cost model misses.
 """
 import argparse
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None):
     from schedules.plot import plot_measured_vs_predicted
-    from schedules.trace import load_chrome_trace, one_iteration, predict
+    from schedules.trace import load_chrome_trace, load_p2p_events, measured_p2p_cpu, one_iteration, predict
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -28,12 +28,14 @@ def main(argv=None):
     timeline, p2p = load_chrome_trace(args.trace)
     iteration = timeline.iterations()[-1] if args.iteration is None else args.iteration
     measured = one_iteration(timeline, iteration)
-    predicted = predict(measured, args.latency_us * 1e-6)
+    p2p_cpu = measured_p2p_cpu(load_p2p_events(args.trace))
+    predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu)
     _, span = measured.span()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     plot_measured_vs_predicted(measured, predicted, args.out,
                                title=f"{measured.meta.get('schedule')}, step {iteration}: ")
-    print(f"{args.out}: measured {span * 1e3:.2f} ms, predicted {predicted.makespan * 1e3:.2f} ms")
+    print(f"{args.out}: measured {span * 1e3:.2f} ms, predicted {predicted.makespan * 1e3:.2f} ms "
+          f"(a send / a receive: {p2p_cpu[0] * 1e6:.0f} / {p2p_cpu[1] * 1e6:.0f} us on its rank)")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def main(schedule):
     print(json.dumps({"stage": engine.stage_id, "executed": engine.executed, "stream": stream,
                       "after_first_b": engine.after_first["B"], "after_first_w": engine.after_first["W"]}))
     torch.distributed.barrier()  # neither rank tears gloo down while the other still talks
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
