@@ -202,8 +202,10 @@ def export_weights(engine, args, path: str):
 
 
 def start_tracer(engine):
+    import torch
     from schedules.trace import Tracer, engine_placement
-    engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # time kernels, not launches
+    engine.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=sync)
     return engine.tracer
 
 

@@ -7,6 +7,7 @@ runtime that executes them, and their simulator.
     instructions.py  BackwardInputPass (B) and BackwardWeightPass (W)
     weight_grad.py   the Linear layer whose weight gradients a W pass computes later
     engine.py        SplitBackwardEngine: a PipelineEngine subclass that runs B, W and async sends
+    receive_ahead.py receives posted ahead per channel, in the order of the step's instructions
     ordered.py       a PipeSchedule written as one rank's order of F, B, W passes (any chunks)
     zero_bubble.py   ZB-H1, ZB-H2
     placement.py     where chunks live: interleaved, V, mirror
@@ -15,6 +16,8 @@ runtime that executes them, and their simulator.
     interleaved.py   Interleaved 1F1B
     vshape.py        ZB-V, DualPipeV
     dualpipe.py      DualPipe
+    trace.py         tracing real runs into timelines; the simulator's costs measured from them
+    memory.py        the saved-tensor tracker, RSS, the machine a measurement ran on
 
 `initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine

@@ -10,9 +10,9 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   as a pass ends and go on computing. Sends complete before the batch ends (and before the
   gradient reduction); received data arrives in posting order per pair of ranks. An activation
   stream's shape goes ahead of its first tensor, once, asynchronously as well.
-- `RecvActivation` / `RecvGrad`: each channel's next receive is posted ahead, in the order the
-  step's own instruction stream gives (schedules/receive_ahead.py), so an early send is not
-  held up waiting for its receiver.
+- `RecvActivation` / `RecvGrad`: on gloo, each channel's next receive is posted ahead, in the
+  order the step's own instruction stream gives (schedules/receive_ahead.py), so an early send
+  is not held up waiting for its receiver.
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
 needs it: the last stage's loss (its B may come after later forwards) and the received output
@@ -42,7 +42,7 @@ class SplitBackwardEngine(PipelineEngine):
         self._grads = {}                         # buffer_id -> received output gradient
         self._sends = []                         # (work, tensor) of sends in flight
         self._shape_sent = set()                 # activation streams whose shape went out
-        self._ahead = ReceiveAhead(self.device)  # receives posted ahead, per channel
+        self._ahead = ReceiveAhead(self.device, enabled=torch.distributed.get_backend() == 'gloo')
 
     def _train_schedule(self):
         return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -112,6 +112,7 @@ class SplitBackwardEngine(PipelineEngine):
             meta = torch.zeros(8, dtype=torch.long)
             meta[0], meta[1] = self._DTYPES.index(tensor.dtype), tensor.dim()
             meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+            meta = meta.to(self.device)  # NCCL sends device tensors only
             self._sends.append((dist.isend(meta, dst, group=group), meta))
         tensor = tensor.contiguous()
         self._sends.append((dist.isend(tensor, dst, group=group), tensor))
@@ -124,8 +125,9 @@ class SplitBackwardEngine(PipelineEngine):
         src, group = channel = self._source('act', chunk)
 
         def first():  # the stream's shape comes ahead of its first tensor
-            meta = torch.zeros(8, dtype=torch.long)
+            meta = torch.zeros(8, dtype=torch.long, device=self.device)
             dist.recv(meta, src, group=group)
+            meta = meta.cpu()
             x = torch.empty(tuple(meta[2:2 + int(meta[1])].tolist()), dtype=self._DTYPES[int(meta[0])],
                             device=self.device)
             dist.recv(x, src, group=group)

@@ -13,6 +13,10 @@ messages in posting order, so its next receive is always the next entry of its l
 (activations or gradients of one chunk) has one tensor shape, learnt from its first receive. A
 receive is posted ahead only once its stream's shape is known, and never more than one per
 channel, so at most one extra tensor per channel is allocated early.
+
+gloo only: NCCL runs a pair of ranks' sends and receives in posting order on one stream, so a
+receive posted ahead would hold up the sends posted after it (and the wake-up cost it avoids is a
+gloo one). Disabled, every receive is posted when its instruction runs.
 """
 from collections import deque
 
@@ -22,8 +26,8 @@ from deepspeed import comm as dist
 
 class ReceiveAhead:
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, enabled=True):
+        self.device, self.enabled = device, enabled
         self.specs = {}   # stream -> (dtype, shape) of its tensors, from its first receive
         self.plan = {}    # channel -> deque of the streams still to arrive on it this step, in order
         self.posted = {}  # channel -> (stream, tensor, work) of the receive posted ahead
@@ -31,7 +35,7 @@ class ReceiveAhead:
     def start(self, receives):
         """A new step whose receives are `receives`: [(channel, stream)] in instruction order."""
         self.plan, self.posted = {}, {}
-        for channel, stream in receives:
+        for channel, stream in receives if self.enabled else ():
             self.plan.setdefault(channel, deque()).append(stream)
         for channel in self.plan:
             self._post_next(channel)

@@ -28,8 +28,9 @@ P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad, ds.Commit
 
 class Tracer:
 
-    def __init__(self, rank, placement):
+    def __init__(self, rank, placement, sync=None):
         self.rank, self.placement = rank, placement
+        self.sync = sync  # e.g. torch.cuda.synchronize: on a GPU a pass ends when its kernels do
         self.origin = None  # clock reading of step 0 of the trace, taken right after a barrier
         self.passes, self.p2p = [], []  # Pass records; (name, start, end, iteration) of p2p
         self.memory = None  # optional: a SavedTensorTracker whose live bytes each pass changes
@@ -52,6 +53,11 @@ class Tracer:
             self._buffer_mb[(chunk, buffer_id)] = mb
             return mb
         return self._buffer_mb[(chunk, buffer_id)]
+
+    def now(self):
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
 
     def live_bytes(self):
         return None if self.memory is None else self.memory.live_bytes
@@ -84,9 +90,9 @@ def _wrap(instr_type, handler):
         if tracer is None or not tracer.active:
             return handler(self, **kwargs)
         before = tracer.live_bytes()
-        start = time.perf_counter()
+        start = tracer.now()
         out = handler(self, **kwargs)
-        end = time.perf_counter()
+        end = tracer.now()
         if kind is not None:
             tracer.record(kind, _chunk_of(kwargs), kwargs['buffer_id'], start, end, live=(before, tracer.live_bytes()))
         elif instr_type in P2P:
@@ -100,12 +106,12 @@ def _wrap(instr_type, handler):
             return handler(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
         pair = tracer.next_pair()
         m0 = tracer.live_bytes()
-        t0 = time.perf_counter()
+        t0 = tracer.now()
         self._run_forward(fwd_buffer, fwd_chunk)
-        t1 = time.perf_counter()
+        t1 = tracer.now()
         m1 = tracer.live_bytes()
         (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
-        t2 = time.perf_counter()
+        t2 = tracer.now()
         tracer.record('F', fwd_chunk, fwd_buffer, t0, t1, pair, live=(m0, m1))
         tracer.record('BW' if fused else 'B', bwd_chunk, bwd_buffer, t1, t2, pair, live=(m1, tracer.live_bytes()))
 

@@ -55,7 +55,7 @@ def apply_weight_grads(queue):
     roots = [_Computed.apply(param, compute) for work in queue for param, compute in work.gradients()]
     queue.clear()
     if roots:
-        torch.autograd.backward(roots, [torch.ones(())] * len(roots))
+        torch.autograd.backward(roots, [root.new_ones(()) for root in roots])  # on each root's device
 
 
 class _Computed(torch.autograd.Function):

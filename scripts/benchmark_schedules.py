@@ -15,6 +15,10 @@ rank measured in the traces (trace.measured_p2p_cpu). Memory: one launch per sch
 saved for backward (deferred W work included) and peak RSS per rank, beside the simulator's
 activation units and its peak from the per-pass bytes measured in the run.
 Writes JSON, text and a plot under --out; states the machine it ran on.
+
+`--device cuda`: one GPU per rank over NCCL; passes are timed after a device synchronize (so a
+pass ends when its kernels do), and the memory figures add torch.cuda.max_memory_allocated: per
+step above what is resident (throughput), and per rank for the whole step (memory).
 """
 import argparse
 import json
@@ -44,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--out", default="runs/schedules")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per rank, nccl, passes timed after a device synchronize, CUDA peak memory")
     p.add_argument("--worker", choices=["throughput", "memory"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -77,34 +83,40 @@ def model_width(args):
 
 
 def gptlite_layer_costs(args, repeats=5):
-    """Seconds of forward + backward of each GPTlite layer on one micro-batch, one thread: the
-    weights that balance the stages (the 50257-token head would otherwise make one stage dominate)."""
+    """Seconds of forward + backward of each GPTlite layer on one micro-batch (one thread, or one
+    GPU): the weights that balance the stages (the 50257-token head would otherwise make one
+    stage dominate)."""
     import torch
     import gptlite
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     config = gptlite.MODEL_SIZES[args.model_size]
-    layers = gptlite.GPTlite(config).to_layers()
-    x = torch.randint(0, config.vocab_size, (args.micro_batch_size, config.block_size))
+    layers = [layer.to(device) for layer in gptlite.GPTlite(config).to_layers()]
+    x = torch.randint(0, config.vocab_size, (args.micro_batch_size, config.block_size), device=device)
     costs = []
     for layer in layers:
         times = []
         for _ in range(repeats):
             inp = x if not x.is_floating_point() else x.detach().requires_grad_()
+            sync()
             t0 = time.perf_counter()
             out = layer(inp)
             out.backward(torch.ones_like(out))
+            sync()
             times.append(time.perf_counter() - t0)
         costs.append(sorted(times)[len(times) // 2])
         x = out.detach()
     return costs
 
 
-def ping_pong_latency(rank, nbytes, repeats=50):
+def ping_pong_latency(rank, nbytes, device, sync, repeats=50):
     """One-way time of a point-to-point message of `nbytes` between ranks 0 and 1 (half a round trip)."""
     import torch
     import torch.distributed as dist
-    x = torch.zeros(nbytes // 4)
+    x = torch.zeros(nbytes // 4, device=device)
     dist.barrier()
+    sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         if rank == 0:
@@ -113,6 +125,7 @@ def ping_pong_latency(rank, nbytes, repeats=50):
         elif rank == 1:
             dist.recv(x, 0)
             dist.send(x, 0)
+    sync()
     return (time.perf_counter() - t0) / repeats / 2
 
 
@@ -127,7 +140,12 @@ def worker(args):
     from schedules.memory import SavedTensorTracker, peak_rss_bytes, reset_peak_rss
     from schedules.trace import Tracer, engine_placement
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    cuda = args.device == "cuda"
+    if cuda:  # one GPU per rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rank, m = dist.get_rank(), args.micro_batches[0]
     if args.model == "gptlite":  # random tokens: the schedules, not the data, are measured
         from gptlite import MODEL_SIZES
@@ -141,11 +159,13 @@ def worker(args):
     names = args.schedules
     engines = {name: build_engine(name, args, m) for name in names}
     for engine in engines.values():
-        engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
+        engine.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=torch.cuda.synchronize if cuda else None)
     if args.worker == "memory":
         for name, engine in engines.items():
             engine.train_batch(iter(batches))  # warm-up: buffers, shapes
             reset_peak_rss()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             with SavedTensorTracker(ignore=list(engine.module.parameters())) as tracker:
                 engine.tracer.memory, engine.tracer.origin = tracker, time.perf_counter()
                 engine.tracer.start_iteration(0)  # each pass's change of the saved bytes: the simulator's table
@@ -154,10 +174,14 @@ def worker(args):
             result["schedules"][name] = {"peak_saved_bytes": tracker.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
                                          "param_bytes": sum(p.numel() * 4 for p in engine.module.parameters()),
                                          "memory_deltas": engine.tracer.memory_deltas}
+            if cuda:  # everything the step held on the device: parameters, gradients, optimizer state too
+                result["schedules"][name]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     else:
-        width = args.deep_width if args.model == "deep" else batches[0][0].numel() * model_width(args)
-        result["latency_s"] = ping_pong_latency(rank, args.micro_batch_size * width * 4)
+        activation = args.micro_batch_size * args.deep_width if args.model == "deep" else \
+            batches[0][0].numel() * model_width(args)  # elements of what one stage sends
+        result["latency_s"] = ping_pong_latency(rank, activation * 4, device, sync)
         steps = {name: [] for name in names}
+        cuda_peak = {name: 0 for name in names}  # device bytes a step adds above what is resident
         dist.barrier()
         origin = time.perf_counter()
         for name in names:
@@ -171,9 +195,16 @@ def worker(args):
                     if traced:
                         engine.tracer.start_iteration(r - 1)
                     dist.barrier()
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                        resident = torch.cuda.memory_allocated()
+                    sync()
                     t0 = time.perf_counter()
                     engine.train_batch(iter(batches))
+                    sync()
                     dt = time.perf_counter() - t0
+                    if cuda:
+                        cuda_peak[name] = max(cuda_peak[name], torch.cuda.max_memory_allocated() - resident)
                     engine.tracer.stop()
                     if r > 0:
                         steps[name].append((dt, traced))
@@ -181,6 +212,8 @@ def worker(args):
             t = engines[name].tracer
             result["schedules"][name] = {"steps": steps[name], "passes": [p.__dict__ for p in t.passes],
                                          "p2p": t.p2p}
+            if cuda:
+                result["schedules"][name]["step_cuda_bytes"] = cuda_peak[name]
     with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -196,7 +229,7 @@ def launch_worker(args, what, m, names):
     flags = ["--worker", what, "--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules",
              *names, "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
              args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round", args.steps_per_round,
-             "--model", args.model, "--model-size", args.model_size]
+             "--model", args.model, "--model-size", args.model_size, "--device", args.device]
     if args.partition_weights:
         flags += ["--partition-weights", *args.partition_weights]
     run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_schedules.py")
@@ -245,6 +278,8 @@ def analyse_throughput(ranks, args, m):
                       "p2p_s": p2p,
                       "predicted_iter_s": predicted_span + overhead,
                       "predicted_bubble": [statistics.median(b) for b in predicted_bubbles]}
+        if "step_cuda_bytes" in ranks[0]["schedules"][name]:  # the step's peak above the resident memory
+            rows[name]["step_cuda_bytes"] = [r["schedules"][name]["step_cuda_bytes"] for r in ranks]
     base = rows.get("1f1b")
     for row in rows.values():
         if base:
@@ -272,6 +307,8 @@ def analyse_memory(ranks, args, m):
                       "bytes_per_unit": [s / u for s, u in zip(saved, units)], "predicted_bytes": predicted,
                       "measured_over_predicted": [s / q for s, q in zip(saved, predicted)],
                       "pass_bytes": {f"{r},{c}": kinds for (r, c), kinds in table.items()}}
+        if "peak_cuda_bytes" in ranks[0]["schedules"][name]:
+            rows[name]["peak_cuda_bytes"] = [r["schedules"][name]["peak_cuda_bytes"] for r in ranks]
     return rows
 
 
@@ -285,7 +322,9 @@ def table_throughput(res, m):
         lines.append(f"{name:20} {r['iter_s'] * 1e3:8.1f} {r['samples_per_s']:9.0f} {r['tokens_per_s']:9.0f} "
                      f"{r.get('speedup', 1):7.2f} "
                      f"{r.get('predicted_speedup', 1):7.2f} {r['span_s'] * 1e3:8.1f} {r['predicted_span_s'] * 1e3:8.1f}"
-                     f"  {bub}; " + " ".join(f"{t * 1e3:.1f}" for t in r["p2p_s"]))
+                     f"  {bub}; " + " ".join(f"{t * 1e3:.1f}" for t in r["p2p_s"])
+                     + ("; step's CUDA peak MiB " + " ".join(f"{b / 2**20:.0f}" for b in r["step_cuda_bytes"])
+                        if "step_cuda_bytes" in r else ""))
     return lines
 
 
@@ -301,7 +340,9 @@ def table_memory(rows, m):
                      f"{fmt(r['bytes_per_unit'], lambda x: f'{x / 2**20:5.2f}'):>11} "
                      f"{fmt(r['predicted_bytes'], mib):>12} "
                      f"{fmt(r['measured_over_predicted'], lambda x: f'{x:5.2f}'):>11} "
-                     f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:5.0f}'):>11}")
+                     f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:5.0f}'):>11}"
+                     + (f"  CUDA peak MiB {fmt(r['peak_cuda_bytes'], lambda x: f'{x / 2**20:.0f}')}"
+                        if "peak_cuda_bytes" in r else ""))
     return lines
 
 
@@ -332,9 +373,16 @@ def main(argv=None):
         return worker(args)
     from schedules.memory import machine_line
     from schedules.registry import available_schedules, schedule_spec
+    machine = machine_line()
+    if args.device == "cuda":
+        import torch
+        if torch.cuda.device_count() < args.stages:
+            raise SystemExit(f"benchmark_schedules: --device cuda needs one GPU per rank (--stages {args.stages}); "
+                             f"this machine has {torch.cuda.device_count()}")
+        machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, nccl"
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
-    report, lines = {"machine": machine_line(), "args": vars(args)}, [machine_line()]
+    report, lines = {"machine": machine, "args": vars(args)}, [machine]
     if args.model == "gptlite":
         args.partition_weights = gptlite_layer_costs(args)
         lines.append("GPTlite " + args.model_size + ", stages balanced by measured layer cost (ms): " +

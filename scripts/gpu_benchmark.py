@@ -12,8 +12,11 @@ scripts/benchmark_split.py does. Weights and activations are bf16, as DeepSpeed'
 them (not autocast: the deferred-weight Linear's backward runs outside autocast and would multiply
 a bf16 gradient by an fp32 weight). The simulator then predicts every schedule's iteration from
 these costs and a p2p latency. Writes gpu_benchmark.json and .txt to --out. Without CUDA it says
-so and exits 0 (2 with --require-gpu). With several GPUs stages still run on cuda:0 (cuda:1 only
-times the p2p copy); the distributed run is scripts/benchmark_schedules.py --launcher deepspeed.
+so and exits 0 (2 with --require-gpu). With several GPUs it first runs the schedule benchmark
+itself (scripts/benchmark_schedules.py --device cuda: every schedule trained side by side, one GPU
+per rank over NCCL, measured bubbles against the simulator's, CUDA memory per step) on 2 or 4 of
+them, within a share of the budget; the per-stage measurements then run on cuda:0 (cuda:1 times
+the p2p copy).
 """
 import argparse
 import contextlib
@@ -224,6 +227,34 @@ def size_text(size, r):
     return lines + errors
 
 
+# The distributed part: the deep benchmark model sized for a GPU (per stage of 4: 8 x Linear 4096
+# on 256 rows, ~1 ms per forward in fp32), 2 micro-batches per rank, few rounds: about a minute.
+DISTRIBUTED_SHARE = 0.5  # of the budget, at most
+DISTRIBUTED_FLAGS = ["--what", "throughput", "--deep-width", "4096", "--deep-depth", "32", "--micro-batch-size",
+                     "256", "--rounds", "3", "--steps-per-round", "2"]
+
+
+def run_distributed(args, n, deadline):
+    """With several GPUs: scripts/benchmark_schedules.py --device cuda on 2 or 4 of them; its JSON
+    and text, or {'error': why}."""
+    import subprocess
+    stages = 4 if n >= 4 else 2
+    out = Path(args.out) / "schedules"
+    timeout = max(30.0, deadline - time.perf_counter())
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_schedules.py"), "--device", "cuda", "--stages",
+           str(stages), "--micro-batches", str(2 * stages), *DISTRIBUTED_FLAGS, "--out", str(out),
+           "--timeout", str(int(timeout))]
+    record = {"stages": stages, "command": " ".join(cmd[1:])}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
+        return {**record, "error": f"the schedule benchmark did not finish within {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {**record, "error": "the schedule benchmark failed: " + done.stderr.strip()[-1500:]}
+    report = json.loads((out / "throughput.json").read_text())
+    return {**record, "lines": (out / "throughput.txt").read_text().splitlines(), **report}
+
+
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available() and (args.device != "cpu" or args.require_gpu):
@@ -241,9 +272,10 @@ def main(argv=None):
     info.update(cuda=torch.version.cuda, gpu_count=n, gpus=[{"name": torch.cuda.get_device_name(i), "memory_bytes":
                                                              torch.cuda.get_device_properties(i).total_memory}
                                                             for i in range(n)])
-    if n > 1:
-        notes.append(f"{n} GPUs: stages are measured on cuda:0 alone; the multi-GPU pipeline run is "
-                     "scripts/benchmark_schedules.py --launcher deepspeed")
+    distributed = run_distributed(args, n, START + args.budget_s * DISTRIBUTED_SHARE) if n > 1 else None
+    if distributed is not None:
+        notes.append(f"{n} GPUs: schedules trained on {distributed.get('stages')} of them: "
+                     + ("see 'distributed'" if "error" not in distributed else distributed["error"]))
     name = info["gpus"][0]["name"] if n else info["cpu"]
     table = next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
     peak_tf = args.peak_tflops or table
@@ -282,13 +314,15 @@ def main(argv=None):
     head = [f"gpu_benchmark on {device} ({gpus}), torch {info['torch']}, CUDA {info['cuda']}, deepspeed "
             f"{info['deepspeed']}; peak {peak_tf or '-'} TFLOP/s ({peak_src}); {args.rounds} rounds; took {wall:.0f} s",
             "stage key: role-blocks (first adds the embedding, last LayerNorm + head + loss)", *notes]
-    text = "\n".join(head + sum((["", *size_text(s, r)] for s, r in sizes.items()), []))
+    text = "\n".join(head + (["", *distributed["lines"]] if distributed and "lines" in distributed else [])
+                     + sum((["", *size_text(s, r)] for s, r in sizes.items()), []))
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_benchmark.txt").write_text(text + "\n")
     record = {"args": vars(args), "machine": info, "device": str(device), "dtype": "bf16", "peak_tflops": peak_tf,
-              "peak_source": peak_src, "notes": notes, "skipped_sizes": skipped, "sizes": sizes, "wall_s": wall}
+              "peak_source": peak_src, "notes": notes, "skipped_sizes": skipped, "sizes": sizes, "wall_s": wall,
+              "distributed": distributed}
     (out / "gpu_benchmark.json").write_text(json.dumps(record, indent=1))
     return 0
 

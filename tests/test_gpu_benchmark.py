@@ -71,3 +71,33 @@ def test_chunks_give_each_placement_its_stages():
     assert mirror[0, 0] == "first-3" and mirror[0, 1] == "last-3"  # full-size stages at both ends of rank 0
     v = {(r, c): key for r, c, key in bench.chunks(schedules["zb-v"], 4, 12)}
     assert v[0, 0] == "first-2" and v[0, 1] == "last-1" and v[3, 0] == "middle-2"  # half-size chunks
+
+
+def test_several_gpus_run_the_schedule_benchmark(tmp_path, monkeypatch):
+    """The multi-GPU glue, exercised on CPU: the command it builds is run with `--device cpu` and
+    tiny sizes in place of the GPU ones, and its results land in the record."""
+    import subprocess as sp
+    bench = load_script()
+    real_run, seen = sp.run, []
+
+    def on_cpu(cmd, **kwargs):
+        seen.append(list(cmd))
+        cmd = [{"cuda": "cpu", "4096": "64", "32": "8", "256": "4"}.get(a, a) for a in cmd]
+        cmd += ["--schedules", "1f1b", "zb-h1"]
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(sp, "run", on_cpu)
+    got = bench.run_distributed(bench.parse_args(["--out", str(tmp_path)]), 2, bench.time.perf_counter() + 200)
+    assert "error" not in got, got.get("error")
+    assert seen and seen[0][seen[0].index("--device") + 1] == "cuda" and got["stages"] == 2
+    rows = got["throughput"]["4"]["schedules"]
+    assert set(rows) == {"1f1b", "zb-h1"} and rows["zb-h1"]["iter_s"] > 0
+    assert any("zb-h1" in line for line in got["lines"])
+
+
+def test_several_gpus_failure_is_reported_not_raised(tmp_path, monkeypatch):
+    import subprocess as sp
+    bench = load_script()
+    monkeypatch.setattr(sp, "run", lambda cmd, **kw: sp.CompletedProcess(cmd, 1, "", "NCCL error: boom"))
+    got = bench.run_distributed(bench.parse_args(["--out", str(tmp_path)]), 4, bench.time.perf_counter() + 10)
+    assert got["stages"] == 4 and "NCCL error: boom" in got["error"]

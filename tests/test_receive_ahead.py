@@ -45,3 +45,13 @@ def test_a_receive_out_of_the_schedules_order_is_an_error(comm):
     ahead.start([(c, "a"), (c, "b")])
     with pytest.raises(RuntimeError, match="next receive on that channel is a"):
         ahead.receive(c, "b", lambda: torch.zeros(1))
+
+
+def test_disabled_every_receive_is_posted_when_its_instruction_runs(comm):
+    ahead = ra.ReceiveAhead("cpu", enabled=False)  # NCCL
+    c = (1, None)
+    ahead.start([(c, "a"), (c, "a")])
+    ahead.receive(c, "a", lambda: torch.zeros(3))
+    assert comm.posted == []
+    x = ahead.receive(c, "a", lambda: pytest.fail("the shape is known: a plain receive"))
+    assert comm.posted == [(1, None, (3, ))] and float(x[0]) == 1.0
