@@ -269,9 +269,10 @@ class _Rank:
 
 class _Simulation:
     def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0)):
+                 p2p_cpu=(0.0, 0.0), dispatch=0.0):
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
         self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
+        self.dispatch = dispatch if isinstance(dispatch, dict) else {r: dispatch for r in range(ranks)}
         self.memory = memory  # (rank, chunk, kind, size) -> activation-memory delta of that pass
         # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
         first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
@@ -425,7 +426,7 @@ class _Simulation:
         else:
             raise fail(f'unknown pass kind {e.kind!r}')
 
-        start = rk.clock
+        start = rk.clock = rk.clock + self.dispatch.get(rk.rank, 0.0)
         rk.clock += self.cost(rk.rank, e.chunk, e.kind, size)
         rk.memory += delta if e.memory is None else e.memory
         rk.peak = max(rk.peak, rk.memory)
@@ -600,7 +601,7 @@ def _memory_function(memory):
 
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0)):
+             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -609,6 +610,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     latency: cost of every p2p message, from its send (or its receive, if later) to its arrival.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
+    dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
+    instruction loop, loading a micro-batch), e.g. trace.measured_dispatch.
     iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
@@ -624,7 +627,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
     def run(n):
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu)
+                          _memory_function(memory), p2p_cpu, dispatch)
         sim.run()
         return sim.ranks
 

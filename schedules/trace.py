@@ -242,6 +242,23 @@ def measured_p2p_cpu(p2p_by_rank):
     return median(sends), median(ready)
 
 
+def measured_dispatch(timeline, p2p_by_rank):
+    """{rank: seconds per pass} the rank spent between traced instructions (neither computing nor in
+    a p2p instruction: the engine's instruction loop, loading micro-batches), per compute pass:
+    the median over the traced steps."""
+    import statistics
+    out = {}
+    for rank, (passes, p2p) in enumerate(zip(timeline.ranks, p2p_by_rank)):
+        per_pass = []
+        for step in {p.iteration for p in passes}:
+            mine = [(p.start, p.end) for p in passes if p.iteration == step]
+            spans = sorted(mine + [(start, end) for _, start, end, it in p2p if it == step])
+            gaps = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))
+            per_pass.append(gaps / len(mine))
+        out[rank] = statistics.median(per_pass) if per_pass else 0.0
+    return out
+
+
 def predict(timeline, latency=0.0, p2p_cpu=(0.0, 0.0)):
     """The simulator's synchronised prediction of a traced run's schedule, from the costs it measured."""
     from schedules.simulate import simulate

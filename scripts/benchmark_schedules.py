@@ -10,8 +10,9 @@ model, and runs them in rounds (the order rotating every round), so drift on thi
 hits all schedules alike. Per schedule: median step time, samples/s, the ratio to stock 1F1B; from
 a traced step per round, the measured bubble fraction per rank; and the simulator's synchronised
 prediction of the same figures, step by traced step, from the F, B, W, BW times measured in that
-step, the p2p latency measured by ping-pong, and the time a send and a receive take on their own
-rank measured in the traces (trace.measured_p2p_cpu). Memory: one launch per schedule, peak bytes
+step, the p2p latency measured by ping-pong, the time a send and a receive take on their own rank
+measured in the traces (trace.measured_p2p_cpu), and the engine's own time between instructions
+per pass (trace.measured_dispatch). Memory: one launch per schedule, peak bytes
 saved for backward (deferred W work included) and peak RSS per rank, beside the simulator's
 activation units and its peak from the per-pass bytes measured in the run.
 Writes JSON, text and a plot under --out; states the machine it ran on.
@@ -243,7 +244,7 @@ def analyse_throughput(ranks, args, m):
     from schedules.registry import available_schedules
     from schedules.simulate import simulate
     from schedules.timeline import Pass, Timeline
-    from schedules.trace import measured_costs, measured_p2p_cpu, one_iteration
+    from schedules.trace import measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration
     latency = statistics.median(r["latency_s"] for r in ranks)
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
     cpu = [measured_p2p_cpu(t) for name, t in traces.items() if available_schedules()[name].placement.async_sends]
@@ -254,11 +255,12 @@ def analyse_throughput(ranks, args, m):
         it = statistics.median(untimed)
         timeline = Timeline([[Pass(**p) for p in r["schedules"][name]["passes"]] for r in ranks], "s",
                             {"schedule": name, "stages": args.stages, "micro_batches": m})
+        dispatch = measured_dispatch(timeline, traces[name])
         spans, predicted, bubbles, predicted_bubbles = [], [], [[] for _ in ranks], [[] for _ in ranks]
         for i in timeline.iterations():  # each traced step against its prediction from its own costs
             step = one_iteration(timeline, i)
             pred = simulate(name, args.stages, m, costs=measured_costs(step), latency=latency, p2p_cpu=p2p_cpu,
-                            iterations=1)
+                            dispatch=dispatch, iterations=1)
             t0, t1 = timeline.span(i)
             spans.append(t1 - t0)
             predicted.append(pred.makespan)
@@ -275,7 +277,7 @@ def analyse_throughput(ranks, args, m):
         rows[name] = {"iter_s": it, "samples_per_s": args.micro_batch_size * m / it,
                       "tokens_per_s": args.micro_batch_size * m * tokens / it, "span_s": span,
                       "bubble": [statistics.median(b) for b in bubbles], "predicted_span_s": predicted_span,
-                      "p2p_s": p2p,
+                      "p2p_s": p2p, "dispatch_s": [dispatch[r] for r in range(len(ranks))],
                       "predicted_iter_s": predicted_span + overhead,
                       "predicted_bubble": [statistics.median(b) for b in predicted_bubbles]}
         if "step_cuda_bytes" in ranks[0]["schedules"][name]:  # the step's peak above the resident memory

@@ -107,6 +107,19 @@ def test_latency_and_costs_in_seconds():
     assert r.per_rank[1]['idle_synced'] == 2 * 6.0
 
 
+def test_time_on_a_rank_besides_its_passes():
+    """p2p_cpu: a send and a receive also take time on their own rank; dispatch: the engine's own
+    work before each pass. Neither counts as busy."""
+    base = simulate('1f1b', 2, 1, iterations=1)  # F, F, BW, BW on the critical path: 6
+    assert base.makespan == 6
+    r = simulate('1f1b', 2, 1, iterations=1, dispatch=0.1)
+    assert r.makespan == pytest.approx(6.4) and r.per_rank[0]['busy'] == 3
+    r = simulate('1f1b', 2, 1, iterations=1, dispatch={0: 0.0, 1: 0.5})  # rank 1's two passes
+    assert r.makespan == pytest.approx(7.0)
+    r = simulate('1f1b', 2, 1, iterations=1, p2p_cpu=(0.25, 0.125))  # one activation, one gradient
+    assert r.makespan == pytest.approx(6 + 2 * (0.25 + 0.125))
+
+
 def test_activation_memory_from_measured_pass_deltas():
     """W holding more than the forward saved (linear layers keep their input and output gradient):
     B adds memory. ZB-H1's last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""

@@ -7,7 +7,8 @@ import pytest
 from local_launch import ROOT, launch
 from schedules.simulate import simulate
 from schedules.timeline import Pass, Timeline
-from schedules.trace import load_chrome_trace, measured_costs, one_iteration, predict
+from schedules.trace import (load_chrome_trace, measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration,
+                             predict)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dualpipe"])
@@ -49,6 +50,17 @@ def test_prediction_keeps_each_ranks_measured_busy_time():
     predicted = predict(traced)
     for rank in range(2):
         assert predicted.per_rank[rank]["busy"] == pytest.approx(traced.busy(rank))
+
+
+def test_engine_time_measured_from_the_trace():
+    """Between traced instructions a rank runs the engine's own code: per pass. A send's time is its
+    instruction's; a receive's, when its data had been sent before it began."""
+    row = [Pass("F", 0, 0, 0, 0.0, 1.0), Pass("F", 0, 0, 1, 1.5, 2.5)]
+    p2p = [("SendActivation", 1.1, 1.4, 0), ("SendActivation", 2.6, 2.8, 0)]
+    assert measured_dispatch(Timeline([row], "s"), [p2p]) == {0: pytest.approx(0.15)}  # 3 gaps of 0.1, 2 passes
+    peer = [("RecvActivation", 1.5, 1.6, 0), ("RecvActivation", 2.7, 3.5, 0)]  # the first found its data, the second waited
+    send, recv = measured_p2p_cpu([p2p, peer])
+    assert send == pytest.approx(0.25) and recv == pytest.approx(0.1)
 
 
 def test_plot_trace_draws_measured_and_predicted(tmp_path):
