@@ -63,10 +63,11 @@ def bf16_stock(sgd_config, tmp_path_factory):
     return train(tmp_path_factory.mktemp("bf16"), 2, PP2 + ["--bf16"], sgd_config(), 4, model=TINY_CHUNKED)
 
 
-@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe"])
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe", "interleaved", "dualpipev"])
 def test_bf16_matches_stock_1f1b(schedule, bf16_stock, sgd_config, tmp_path):
-    """bf16 weights, fp32 gradient accumulation in DeepSpeed's BF16 optimizer: deferred W, local
-    hand-overs and DualPipe's mirrored gradient sum (on the optimizer's fp32 gradients) lose nothing."""
+    """bf16 weights, fp32 gradient accumulation in DeepSpeed's BF16 optimizer: deferred W, fused
+    backwards, local hand-overs and DualPipe's mirrored gradient sum (on the optimizer's fp32
+    gradients) lose nothing."""
     result = train(tmp_path, 2, PP2 + ["--bf16", "--pipeline-schedule", schedule], sgd_config(), 4, model=TINY_CHUNKED)
     # bf16 losses: DualPipe adds two ranks' partial sums, so they may round one bf16 step apart
     assert result[0] == pytest.approx(bf16_stock[0], rel=1e-2)
