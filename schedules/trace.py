@@ -259,9 +259,9 @@ def measured_dispatch(timeline, p2p_by_rank):
     return out
 
 
-def predict(timeline, latency=0.0, p2p_cpu=(0.0, 0.0)):
+def predict(timeline, latency=0.0, p2p_cpu=(0.0, 0.0), dispatch=0.0):
     """The simulator's synchronised prediction of a traced run's schedule, from the costs it measured."""
     from schedules.simulate import simulate
     meta = timeline.meta
     return simulate(meta['schedule'], meta['stages'], meta['micro_batches'], costs=measured_costs(timeline),
-                    latency=latency, p2p_cpu=p2p_cpu, iterations=1)
+                    latency=latency, p2p_cpu=p2p_cpu, dispatch=dispatch, iterations=1)

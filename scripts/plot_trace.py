@@ -3,9 +3,9 @@
     python scripts/plot_trace.py runs/trace.json --out runs/trace.png [--iteration K] [--latency-us L]
 
 Top: what the ranks did in one traced step (seconds). Bottom: the same schedule simulated with
-the F, B, W, BW times measured in that trace (means per rank and chunk), the time a send and a
-receive take on their own rank measured in it (2-rank traces), and the given p2p latency. Same renderer, same scale: the differences are what the engine adds (p2p waits,
-per-instruction overhead) or what the schedule's cost model misses.
+what that trace measured (F, B, W, BW times as means per rank and chunk, the time a send and a
+receive take on their own rank in 2-rank traces, the engine's time between instructions) and the
+given p2p latency. Same renderer, same scale: the differences are what the cost model misses.
 """
 import argparse
 import os
@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None):
     from schedules.plot import plot_measured_vs_predicted
-    from schedules.trace import load_chrome_trace, load_p2p_events, measured_p2p_cpu, one_iteration, predict
+    from schedules.trace import (load_chrome_trace, load_p2p_events, measured_dispatch, measured_p2p_cpu,
+                                 one_iteration, predict)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -28,8 +29,9 @@ def main(argv=None):
     timeline, p2p = load_chrome_trace(args.trace)
     iteration = timeline.iterations()[-1] if args.iteration is None else args.iteration
     measured = one_iteration(timeline, iteration)
-    p2p_cpu = measured_p2p_cpu(load_p2p_events(args.trace))
-    predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu)
+    events = load_p2p_events(args.trace)
+    p2p_cpu, dispatch = measured_p2p_cpu(events), measured_dispatch(timeline, events)
+    predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu, dispatch)
     _, span = measured.span()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     plot_measured_vs_predicted(measured, predicted, args.out,
