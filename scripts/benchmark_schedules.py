@@ -173,7 +173,7 @@ def worker(args):
                 engine.train_batch(iter(batches))
                 engine.tracer.stop()
             result["schedules"][name] = {"peak_saved_bytes": tracker.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
-                                         "param_bytes": sum(p.numel() * 4 for p in engine.module.parameters()),
+                                         "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
                                          "memory_deltas": engine.tracer.memory_deltas}
             if cuda:  # everything the step held on the device: parameters, gradients, optimizer state too
                 result["schedules"][name]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
@@ -332,9 +332,9 @@ def table_throughput(res, m):
 
 def table_memory(rows, m):
     lines = [f"m = {m}: peak activation bytes per rank (MiB); simulator units and MiB per unit; the simulator's "
-             f"peak from the per-pass bytes of the run (MiB) and measured / that; peak RSS (MiB)",
+             f"peak from the per-pass bytes of the run (MiB) and measured / that; peak RSS (MiB); parameters (MiB)",
              f"{'schedule':20} {'saved MiB':>12} {'units':>10} {'MiB/unit':>11} {'pred MiB':>12} "
-             f"{'meas/pred':>11} {'peak RSS':>11}"]
+             f"{'meas/pred':>11} {'peak RSS':>11} {'params':>11}"]
     for name, r in rows.items():
         fmt = lambda xs, f: " ".join(f(x) for x in xs)  # noqa: E731
         mib = lambda x: f"{x / 2**20:5.1f}"  # noqa: E731
@@ -342,7 +342,8 @@ def table_memory(rows, m):
                      f"{fmt(r['bytes_per_unit'], lambda x: f'{x / 2**20:5.2f}'):>11} "
                      f"{fmt(r['predicted_bytes'], mib):>12} "
                      f"{fmt(r['measured_over_predicted'], lambda x: f'{x:5.2f}'):>11} "
-                     f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:5.0f}'):>11}"
+                     f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:5.0f}'):>11} "
+                     f"{fmt(r['param_bytes'], lambda x: f'{x / 2**20:5.1f}'):>11}"
                      + (f"  CUDA peak MiB {fmt(r['peak_cuda_bytes'], lambda x: f'{x / 2**20:.0f}')}"
                         if "peak_cuda_bytes" in r else ""))
     return lines
