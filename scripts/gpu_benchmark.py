@@ -227,10 +227,11 @@ def size_text(size, r):
     return lines + errors
 
 
-# The distributed part: the deep benchmark model sized for a GPU (per stage of 4: 8 x Linear 4096
-# on 256 rows, ~1 ms per forward in fp32), 2 micro-batches per rank, few rounds: about a minute.
+# The distributed part: the deep benchmark model sized for a GPU (16 x Linear 4096 on 256 rows: per
+# stage of 2, ~1.5 ms per forward in fp32; each schedule's engine holds its own copy of the model
+# with AdamW state, ~2 GiB per rank), 2 micro-batches per rank, few rounds: about a minute.
 DISTRIBUTED_SHARE = 0.5  # of the budget, at most
-DISTRIBUTED_FLAGS = ["--what", "throughput", "--deep-width", "4096", "--deep-depth", "32", "--micro-batch-size",
+DISTRIBUTED_FLAGS = ["--what", "throughput", "--deep-width", "4096", "--deep-depth", "16", "--micro-batch-size",
                      "256", "--rounds", "3", "--steps-per-round", "2"]
 
 

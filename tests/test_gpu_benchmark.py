@@ -82,7 +82,7 @@ def test_several_gpus_run_the_schedule_benchmark(tmp_path, monkeypatch):
 
     def on_cpu(cmd, **kwargs):
         seen.append(list(cmd))
-        cmd = [{"cuda": "cpu", "4096": "64", "32": "8", "256": "4"}.get(a, a) for a in cmd]
+        cmd = [{"cuda": "cpu", "4096": "64", "16": "8", "256": "4"}.get(a, a) for a in cmd]
         cmd += ["--schedules", "1f1b", "zb-h1"]
         return real_run(cmd, **kwargs)
 
