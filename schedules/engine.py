@@ -49,10 +49,17 @@ class SplitBackwardEngine(PipelineEngine):
 
     _RECEIVES = {ds.RecvActivation: 'act', ds.RecvGrad: 'grad'}
 
+    def _receives(self, pipe_schedule):
+        """(channel, stream) of each receive instruction of the step, in order."""
+        for step in pipe_schedule:
+            for cmd in step:
+                kind = self._RECEIVES.get(type(cmd))
+                if kind is not None:
+                    chunk = cmd.kwargs.get('chunk', 0)
+                    yield self._source(kind, chunk), (kind, chunk)
+
     def _exec_schedule(self, pipe_schedule):
-        receives = [(self._RECEIVES[type(cmd)], cmd.kwargs.get('chunk', 0)) for step in pipe_schedule for cmd in step
-                    if type(cmd) in self._RECEIVES]
-        self._ahead.start([(self._source(kind, chunk), (kind, chunk)) for kind, chunk in receives])
+        self._ahead.start(self._receives(pipe_schedule))  # a generator: walked only where posted ahead (gloo)
         try:
             super()._exec_schedule(pipe_schedule)
         finally:

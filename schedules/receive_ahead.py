@@ -33,7 +33,8 @@ class ReceiveAhead:
         self.posted = {}  # channel -> (stream, tensor, work) of the receive posted ahead
 
     def start(self, receives):
-        """A new step whose receives are `receives`: [(channel, stream)] in instruction order."""
+        """A new step whose receives are `receives`: (channel, stream) in instruction order, an
+        iterable that is not consumed when disabled."""
         self.plan, self.posted = {}, {}
         for channel, stream in receives if self.enabled else ():
             self.plan.setdefault(channel, deque()).append(stream)
