@@ -612,7 +612,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
     instruction loop, loading a micro-batch), e.g. trace.measured_dispatch.
-    iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run). forward_only: an inference run (nothing kept for backward).
+    iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run).
+    forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.

@@ -14,6 +14,7 @@ one Chrome trace event file (opens in Perfetto or chrome://tracing); `load_chrom
 it back into a Timeline, which schedules/plot.py draws like a simulated one.
 """
 import json
+import statistics
 import time
 from types import MethodType
 
@@ -204,20 +205,22 @@ def measured_costs(timeline):
     that from the prediction altogether.)
     A paired unit's parts are timed apart; a kind never run (F/BW only on 1F1B) is left out, and
     the simulator derives it (BW = B + W, or B = W = BW / 2)."""
-    times = {}
-    for rank, p in timeline.passes():
-        times.setdefault((rank, p.chunk), {}).setdefault(p.kind, []).append(p.duration)
-    return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in times.items()}
+    return _means(((rank, p.chunk), p.kind, p.duration) for rank, p in timeline.passes())
 
 
 def measured_memory(deltas_by_rank):
     """Mean activation-memory change per (rank, chunk) and pass kind, from each rank's
     `Tracer.memory_deltas`: the simulator's `memory` table (means keep a micro-batch's F, B and
     W summing to what it really frees)."""
+    return _means(((rank, chunk), kind, delta) for rank, deltas in enumerate(deltas_by_rank)
+                  for chunk, kind, delta in deltas)
+
+
+def _means(entries):
+    """{(rank, chunk): {kind: mean value}} of (key, kind, value) entries."""
     table = {}
-    for rank, deltas in enumerate(deltas_by_rank):
-        for chunk, kind, delta in deltas:
-            table.setdefault((rank, chunk), {}).setdefault(kind, []).append(delta)
+    for key, kind, value in entries:
+        table.setdefault(key, {}).setdefault(kind, []).append(value)
     return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in table.items()}
 
 
@@ -227,7 +230,6 @@ def measured_p2p_cpu(p2p_by_rank):
     it), and the median receive whose data had been sent before the receive began (so it did not
     wait: taking the data in). Messages are matched per kind and step in order (one peer);
     (0, 0) for other rank counts."""
-    import statistics
     if len(p2p_by_rank) != 2:
         return 0.0, 0.0
     sends = [end - start for events in p2p_by_rank for name, start, end, _ in events if name.startswith('Send')]
@@ -246,7 +248,6 @@ def measured_dispatch(timeline, p2p_by_rank):
     """{rank: seconds per pass} the rank spent between traced instructions (neither computing nor in
     a p2p instruction: the engine's instruction loop, loading micro-batches), per compute pass:
     the median over the traced steps."""
-    import statistics
     out = {}
     for rank, (passes, p2p) in enumerate(zip(timeline.ranks, p2p_by_rank)):
         per_pass = []

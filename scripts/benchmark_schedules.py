@@ -343,7 +343,7 @@ def table_memory(rows, m):
                      f"{fmt(r['predicted_bytes'], mib):>12} "
                      f"{fmt(r['measured_over_predicted'], lambda x: f'{x:5.2f}'):>11} "
                      f"{fmt(r['peak_rss_bytes'], lambda x: f'{x / 2**20:5.0f}'):>11} "
-                     f"{fmt(r['param_bytes'], lambda x: f'{x / 2**20:5.1f}'):>11}"
+                     f"{fmt(r['param_bytes'], mib):>11}"
                      + (f"  CUDA peak MiB {fmt(r['peak_cuda_bytes'], lambda x: f'{x / 2**20:.0f}')}"
                         if "peak_cuda_bytes" in r else ""))
     return lines
