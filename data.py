@@ -150,7 +150,8 @@ def _load_hub(dataset: str) -> str:
         splits = datasets.load_dataset(dataset)
     except ConnectionError as e:  # includes offline mode without a cached copy
         raise DataError(f"--dataset {dataset!r}: not in the local HF cache and the Hub is unreachable "
-                        f"({type(e).__name__}); pass --data-file PATH for a local text file, or {_BUILTIN_HINT}") from e
+                        f"({type(e).__name__}); pass --data-file PATH for a local text file, or "
+                        f"{_BUILTIN_HINT}") from e
     except FileNotFoundError as e:  # DatasetNotFoundError and friends
         raise DataError(f"--dataset {dataset!r}: not found on the Hugging Face Hub; check the id, "
                         f"or pass --data-file PATH, or {_BUILTIN_HINT}") from e

@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
-from schedules.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
+from layers import SeededLayerSpec, build_layer
+from schedules.runtime.pipe_module import LayerPipe, run_layers
+from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class DeepModel(nn.Module):
         return list(self.blocks)
 
     def forward(self, x):
-        checkpoint = lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        def checkpoint(f, x):
+            return torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
         return run_layers(self.to_layers(), x, self.activation_checkpoint_interval, checkpoint, (DeepBlock, ))
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec
 
-from layers import LayerPipe, SeededLayerSpec, build_layer, run_layers
-from schedules.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
+from layers import SeededLayerSpec, build_layer
+from schedules.runtime.pipe_module import LayerPipe, run_layers
+from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
 
     `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
     or modules), for schedules that need one: several model chunks per rank (see
-    schedules.registry.ScheduleSpec.pipe_module).
+    schedules.pipe_module(name)).
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
     if not pipeline_num_stages:

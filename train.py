@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.flag("--pipeline-parallel-size", "--pipeline-num-stages", type=int, default=0, dest="pipeline_parallel_size",
            help="pipeline stages; 0 = no pipeline. World size = data-parallel degree x this.")
-    p.flag("--pipeline-spec-layers", action="store_true", help="build stages from LayerSpecs (each rank builds its own)")
+    p.flag("--pipeline-spec-layers", action="store_true",
+           help="build stages from LayerSpecs (each rank builds its own)")
     p.flag("--pipeline-schedule", default="1f1b", choices=trainable, help="pipeline schedule")
     p.flag("--virtual-stages", type=int, default=None, help="interleaved: model chunks per rank (default 2)")
     p.flag("--partition-method", default=None, help="DeepSpeed partition method (parameters, uniform, type:Block)")
@@ -148,6 +149,7 @@ def check_schedule(args, stages: int, micro_batches: int):
 def micro_batch_source(args, micro_batch_size: int, bf16: bool):
     if args.model == "deep":
         import torch
+
         from deep_model import synthetic_micro_batch
         dtype = torch.bfloat16 if bf16 else torch.float32  # float inputs and targets in the model's precision
 
@@ -158,7 +160,8 @@ def micro_batch_source(args, micro_batch_size: int, bf16: bool):
         return deep_batch
     import data
     from gptlite import MODEL_SIZES
-    windows = data.TokenWindows(data.load_tokens(args.dataset, args.data_file), MODEL_SIZES[args.model_size].block_size)
+    tokens = data.load_tokens(args.dataset, args.data_file)
+    windows = data.TokenWindows(tokens, MODEL_SIZES[args.model_size].block_size)
     return lambda split, index: windows.micro_batch(split, index, micro_batch_size, args.seed)
 
 
@@ -171,8 +174,8 @@ def build_model(args):
                   activation_checkpoint_interval=args.activation_checkpoint_interval)
     if args.partition_method:
         common["partition_method"] = args.partition_method
-    from schedules.registry import schedule_spec
-    pipe_module = schedule_spec(args.pipeline_schedule, args.virtual_stages).pipe_module
+    import schedules
+    pipe_module = schedules.pipe_module(args.pipeline_schedule, args.virtual_stages)
     if pp and pipe_module is not None:  # the schedule needs its own PipelineModule (several chunks per rank)
         common["pipe_module"] = pipe_module
     if args.model == "deep":
@@ -190,6 +193,7 @@ def export_weights(engine, args, path: str):
     """Gather the trained weights, keyed by global layer index, and save them from rank 0."""
     import torch
     import torch.distributed as dist
+
     from layers import layer_state_dict, pipe_layer_state_dict
     if args.pipeline_parallel_size:
         mine = pipe_layer_state_dict(engine.module) if engine.grid.get_data_parallel_rank() == 0 else {}
@@ -201,37 +205,18 @@ def export_weights(engine, args, path: str):
         torch.save({k: v for part in parts for k, v in part.items()}, path)
 
 
-def start_tracer(engine):
-    import torch
-    from schedules.trace import Tracer, engine_placement
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # time kernels, not launches
-    engine.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=sync)
-    return engine.tracer
-
-
-def save_trace(engine, tracer, args):
-    """Gather the first data-parallel replica's traces on rank 0 and write them as one Chrome trace."""
-    import torch.distributed as dist
-    from schedules.trace import write_chrome_trace
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, tracer if engine.grid.get_data_parallel_rank() == 0 else None)
-    if dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
-        meta = {"schedule": args.pipeline_schedule, "stages": args.pipeline_parallel_size,
-                "micro_batches": engine.micro_batches, "model": args.model}
-        write_chrome_trace(sorted((t for t in parts if t is not None), key=lambda t: t.rank), args.trace, meta)
-
-
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    import torch
     import deepspeed
+    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
+
     import schedules
+    from schedules.observe.trace import RunTrace
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     pp = args.pipeline_parallel_size
@@ -319,20 +304,14 @@ def main(argv=None):
     tokens = samples * (1 if args.model == "deep" else batch_of("train", 0)[0].shape[1])
     if args.eval_interval and start == 0:
         log({"step": 0, "val_loss": evaluate()})
-    tracer = start_tracer(engine) if args.trace else None
-    first_traced = max(start, args.steps - args.trace_steps)
+    trace = RunTrace(engine, args.trace, steps=range(max(start, args.steps - args.trace_steps), args.steps),
+                     meta={"schedule": args.pipeline_schedule, "stages": pp, "model": args.model})
     for step in range(start, args.steps):
         lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        if tracer is not None and step >= first_traced:
-            if tracer.origin is None:  # one clock for all ranks: read it right after a barrier
-                dist.barrier()
-                tracer.origin = time.perf_counter()
-            tracer.start_iteration(step - first_traced)
-        t0 = time.perf_counter()
-        loss = train_step(step)
-        dt = time.perf_counter() - t0
-        if tracer is not None:
-            tracer.stop()
+        with trace.step(step):
+            t0 = time.perf_counter()
+            loss = train_step(step)
+            dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": loss, "lr": lr, "iter_s": dt,
                   "samples_per_s": samples / dt, "tokens_per_s": tokens / dt}
         last = step + 1 == args.steps
@@ -343,8 +322,7 @@ def main(argv=None):
             engine.save_checkpoint(args.save_dir, client_state={"step": step + 1})
     if args.export:
         export_weights(engine, args, args.export)
-    if tracer is not None:
-        save_trace(engine, tracer, args)
+    trace.save()
     dist.barrier()
     dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
 

@@ -1,28 +1,36 @@
 """Pipeline schedules for DeepSpeed, selected by name (`train.py --pipeline-schedule NAME`), the
-runtime that executes them, and their simulator.
+runtime that executes them, their simulator and the tools that observe real runs.
 
-    registry.py      name -> schedule class, engine, simulator placement (the one registry)
-    simulate.py      runs every rank's instruction stream without a model -> timeline, idle, memory
-    timeline.py      the timeline schema shared by simulated and traced runs; plot.py draws it
-    instructions.py  BackwardInputPass (B) and BackwardWeightPass (W)
-    weight_grad.py   the Linear layer whose weight gradients a W pass computes later
-    engine.py        SplitBackwardEngine: a PipelineEngine subclass that runs B, W and async sends
-    receive_ahead.py receives posted ahead per channel, in the order of the step's instructions
-    ordered.py       a PipeSchedule written as one rank's order of F, B, W passes (any chunks)
-    zero_bubble.py   ZB-H1, ZB-H2
-    placement.py     where chunks live: interleaved, V, mirror
-    module.py        ChunkedPipelineModule: several model chunks per rank
-    chunked_engine.py ChunkedEngine: runs schedules over several chunks per rank
-    interleaved.py   Interleaved 1F1B
-    vshape.py        ZB-V, DualPipeV
-    dualpipe.py      DualPipe
-    trace.py         tracing real runs into timelines; the simulator's costs measured from them
-    memory.py        the saved-tensor tracker, RSS, the machine a measurement ran on
+The folders are the architecture; dependencies point up this list, never down it:
+
+    passes.py, instructions.py, placement.py, lowering.py, errors.py
+                     the vocabulary: typed passes, the B / W / paired instructions and the one
+                     instruction -> pass-kind table, where chunks live, the lowering of a per-rank
+                     order of passes to DeepSpeed instructions
+    definitions/     the schedules, one file per family (ZB-H1/H2, Interleaved 1F1B, ZB-V and
+                     DualPipeV, DualPipe), each a named OrderedSchedule subclass
+    registry.py      the one table: name -> schedule class, placement, engine and module names
+    runtime/         the engines that run the instructions, the chunked PipelineModule, deferred
+                     weight gradients, receives posted ahead
+    simulator/       every rank's instruction stream run without a model -> Timeline, idle, memory
+    observe/         tracing real runs into Timelines, plots, memory measurement
+
+The runtime and the simulator both read the vocabulary and never each other. docs/architecture.md
+draws the data flow and gives the reading paths.
 
 `initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
-class to build.
+class to build. `pipe_module(schedule)` says which PipelineModule the schedule needs.
 """
+
+
+def pipe_module(schedule, virtual_stages=None):
+    """What builds the PipelineModule `schedule` needs from a layer list, `(layers, **PipelineModule
+    kwargs)`; None where a PipelineModule with one stage per rank serves (pass it to the models'
+    `get_model(..., pipe_module=...)`)."""
+    from schedules.registry import schedule_spec
+    from schedules.runtime import pipe_module as module_of
+    return module_of(schedule_spec(schedule, virtual_stages))
 
 
 def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=None, config=None, args=None,
@@ -34,17 +42,20 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     deepspeed.initialize itself; the others are built the way deepspeed.initialize builds a
     PipelineEngine, with the registered engine class and the schedule class passed to it.
     `virtual_stages` picks the chunks per rank of `interleaved` (the model must be built with the
-    matching module: gptlite.get_model(..., pipe_module=schedule_spec(...).pipe_module)).
-    `trace=True` builds the engine class wrapped by schedules.trace.traced; set `engine.tracer`.
+    matching module: gptlite.get_model(..., pipe_module=schedules.pipe_module(schedule, virtual_stages))).
+    `trace=True` builds the engine class wrapped by schedules.observe.trace.traced; set `engine.tracer`.
     """
     import deepspeed
     from deepspeed.pipe import PipelineModule
+
     from schedules.registry import available_schedules, schedule_spec
+    from schedules.runtime import engine_class
 
     if schedule not in available_schedules():
         raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(available_schedules())}")
     spec = schedule_spec(schedule, virtual_stages)
-    if spec.engine is None and not (trace and isinstance(model, PipelineModule)):
+    engine_cls = engine_class(spec)
+    if engine_cls is None and not (trace and isinstance(model, PipelineModule)):
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     config=config, **kwargs)
     if not isinstance(model, PipelineModule):
@@ -54,13 +65,12 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    engine_cls = spec.engine
     if engine_cls is None:  # DeepSpeed's own engine, as deepspeed.initialize would pick it (to be traced)
         engine_cls = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine
     else:
         kwargs["schedule_cls"] = spec.factory
     if trace:
-        from schedules.trace import traced
+        from schedules.observe.trace import traced
         engine_cls = traced(engine_cls)
     mpu = model.mpu()
     config_class = DeepSpeedConfig(config, mpu)

@@ -1,20 +1,22 @@
-"""Pipeline instructions that DeepSpeed's engine does not have: the backward split in two.
+"""Pipeline instructions that DeepSpeed's engine does not have, and the one table of compute kinds.
 
 - `BackwardInputPass` (B): gradients with respect to the stage's input, which the previous
   stage waits for, plus the gradients of parameters outside deferrable `Linear` layers
   (embeddings, LayerNorm). The linear layers' weight-gradient work is queued.
 - `BackwardWeightPass` (W): runs the queued weight-gradient work of one micro-batch.
+- `ForwardBackwardPass`: the forward of one micro-batch and the backward of another as one unit
+  (DualPipe's overlapped pair; run one after the other today, drawn as one unit).
 
-- `ForwardBackwardPass`: the forward of one micro-batch and the backward-for-inputs of another
-  as one unit (DualPipe's overlapped pair; run one after the other today, drawn as one unit).
+A stock `BackwardPass` is B immediately followed by W. On engines that hold several chunks per
+rank every instruction also names its `chunk`.
 
-A stock `BackwardPass` is B immediately followed by W. The engine handlers are in engine.py and
-chunked_engine.py; the simulator learns each type where it is registered below. On engines that
-hold several chunks per rank every instruction also names its `chunk`.
+`PASS_KIND` maps each compute instruction type to the pass kind it runs (schedules/passes.py);
+the lowering, the engines' tracer, the simulator and the tests all read it from here.
 """
+from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.schedule import BufferOpInstruction, PipeInstruction
 
-from schedules.simulate import Compute, register_instruction
+from schedules.passes import BW, B, F, W
 
 
 class BackwardInputPass(BufferOpInstruction):
@@ -33,9 +35,19 @@ class ForwardBackwardPass(PipeInstruction):
         super().__init__(fwd_buffer=fwd_buffer, fwd_chunk=fwd_chunk, bwd_buffer=bwd_buffer, bwd_chunk=bwd_chunk,
                          fused=fused)
 
+    def kinds(self):
+        """The pass kinds of its two parts, in order."""
+        return paired_kinds(self.kwargs['fused'])
 
-register_instruction(BackwardInputPass, lambda instr, ctx: [Compute('B', ctx.chunk, instr.buffer_id)])
-register_instruction(BackwardWeightPass, lambda instr, ctx: [Compute('W', ctx.chunk, instr.buffer_id)])
-register_instruction(ForwardBackwardPass, lambda i, ctx: [
-    Compute('F', i.fwd_chunk, i.fwd_buffer, pair=True),
-    Compute('BW' if i.fused else 'B', i.bwd_chunk, i.bwd_buffer, pair=True)])
+
+def paired_kinds(fused):
+    """(F, BW) for a forward paired with a fused backward, (F, B) with a backward for inputs only."""
+    return F, BW if fused else B
+
+
+# Exact types, as DeepSpeed's _INSTRUCTION_MAP looks them up (a subclass is another instruction).
+PASS_KIND = {ds.ForwardPass: F, BackwardInputPass: B, BackwardWeightPass: W, ds.BackwardPass: BW}
+INSTRUCTION_OF_KIND = {kind: instr for instr, kind in PASS_KIND.items()}
+
+# Point-to-point instructions: what the tracer times as communication.
+P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad, ds.CommitP2P)

@@ -1,10 +1,12 @@
-"""Where the model's chunks live when a rank holds several of them.
+"""Where the model's chunks live: which rank holds which model stage, for every placement.
 
 One object answers, for the module (which layers a rank builds), the schedule (which passes
 need a send or a receive), the engine (which rank a message goes to) and the simulator: chunk c
 of rank r runs global stage `stage(r, c)`; its neighbour one stage downstream (+1) or upstream
 (-1) is `neighbour(r, c, step)`, a (rank, chunk) pair or None at either end of the pipeline.
 
+- Stock (DeepSpeed's engine, and the split-backward engine): rank r is stage r.
+- DeepSpeed's DualPipeV: rank r holds stages r and 2p-1-r as its two phases.
 - Interleaved (Megatron-LM): v chunks per rank, chunk c of rank r is stage c*p + r.
 - V (ZB-V, DualPipeV): chunk 0 of rank r is stage r, chunk 1 is stage 2p-1-r: rank 0 holds the
   first and the last stage; the turn at rank p-1 is local.
@@ -12,14 +14,98 @@ of rank r runs global stage `stage(r, c)`; its neighbour one stage downstream (+
   whose micro-batches flow from rank 0 to rank p-1; chunk 1 is stage p-1-r of copy 1, whose
   micro-batches flow from rank p-1 to rank 0. The chunk is the direction.
 
-These are the chunked engine's placements: its sends are asynchronous, it keeps a received
+Besides where chunks live, a placement states the traits of the engine that runs it which
+decide how its messages meet (asynchronous sends, one received-gradient slot, batched p2p,
+one communicator per message kind): the simulator models an engine through its placement.
+
+The chunked placements are the chunked engine's: its sends are asynchronous, it keeps a received
 gradient per micro-batch, and activations and gradients travel on two communicators. The last
 matters: on the V and mirror placements the link from a rank to its neighbour carries the
 activations of one chunk and the gradients of the other, which the schedules send and receive
 in different orders; each kind on its own is in order, and a communicator per kind keeps the
 two apart on any backend (NCCL ignores message tags).
 """
-from schedules.simulate import Placement
+from schedules.errors import ScheduleError
+
+
+class Placement:
+    """Ranks hold `chunks` model chunks each; chunk (r, c) runs global stage `stage(r, c)`.
+
+    Neighbours follow the stage order: activations go from stage s to s + 1 and gradients back.
+    When both stages sit on one rank the hand-over is local (no message).
+    """
+    chunks = 1
+    batched_p2p = False  # sends/receives only queue until CommitP2P
+    tensor_meta = True  # the first activation send of each chunk is preceded by a blocking shape message
+    single_grad_slot = False  # the engine keeps one received gradient at a time
+    async_sends = False  # sends are posted (isend) and complete later; the stream waits for them at its end
+    channels_by_kind = False  # activations and gradients travel on separate communicators (FIFO within each)
+    handlers = {}  # engine-specific overrides of the simulator's instruction handlers
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self._owner = {self.stage(r, c): (r, c) for r in range(ranks) for c in range(self.chunks)}
+        assert len(self._owner) == ranks * self.chunks, 'override neighbour() when stages repeat'
+        self.num_stages = len(self._owner)
+
+    def stage(self, rank, chunk):
+        return rank
+
+    def chunk_size(self, rank, chunk):
+        """Share of the model in units of one 1F1B stage (1/p of the model)."""
+        return self.ranks / self.num_stages
+
+    def chunk_of(self, rank, instr):
+        return instr.kwargs.get('chunk', instr.kwargs.get('phase', 0))
+
+    def neighbour(self, rank, chunk, step, direction=None):
+        """(rank, chunk) holding the stage `step` (+1 downstream, -1 upstream) away, or None."""
+        return self._owner.get(self.stage(rank, chunk) + step)
+
+    def direction(self, chunk):
+        """Which stream of micro-batches a chunk serves (None: the only one)."""
+        return None
+
+
+# --- one chunk per rank ------------------------------------------------------------------------
+
+class StockPlacement(Placement):
+    """DeepSpeed's PipelineEngine: rank r runs stage r, sends activations to r+1, grads to r-1."""
+    single_grad_slot = True  # _exec_recv_grads writes self.grad_layer, read by the next backward
+
+    def chunk_of(self, rank, instr):
+        extra = set(instr.kwargs) - {'buffer_id'}
+        if extra:  # the stock engine calls its handlers with **kwargs and would raise
+            raise ScheduleError(f'rank {rank}: the stock PipelineEngine cannot run {instr!r} '
+                                f'(its handlers take only buffer_id, not {sorted(extra)})')
+        return 0
+
+
+class SplitBackwardPlacement(StockPlacement):
+    """SplitBackwardEngine: the stock placement, with asynchronous sends and a received gradient
+    kept per micro-batch."""
+    async_sends = True
+    single_grad_slot = False
+
+
+class DualPipeVPlacement(Placement):
+    """DeepSpeed's DualPipeVEngine: rank r holds stage r (phase 0) and 2p-1-r (phase 1).
+
+    Chunk = instruction's phase. Phase 0 sends activations to r+1, phase 1 to r-1, as in
+    _downstream_stage(); on the last rank phase 0 hands over to phase 1 locally (the engine
+    copies the outputs), which the stage order below gives: stages p-1 and p share rank p-1.
+    """
+    chunks = 2
+    batched_p2p = True
+
+    def stage(self, rank, chunk):
+        return rank if chunk == 0 else 2 * self.ranks - 1 - rank
+
+    def chunk_of(self, rank, instr):
+        return instr.kwargs.get('phase', 0)  # LoadMicroBatch carries no phase: it fills phase 0
+
+
+# --- several chunks per rank (ChunkedEngine) ----------------------------------------------------
 
 
 class ChunkedPlacement(Placement):

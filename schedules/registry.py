@@ -1,58 +1,73 @@
-"""The one registry of pipeline schedules: name -> schedule class, the engine that runs it, and
-the simulator's model of that engine. `train.py --pipeline-schedule`, `schedules.initialize`,
-the simulator, the table and the diagrams all read it. A schedule registers itself with one
-`register_schedule(...)` line next to its class.
+"""The one table of pipeline schedules: name -> schedule class, where its chunks live, and which
+engine and PipelineModule run it. `train.py --pipeline-schedule`, `schedules.initialize`, the
+simulator, the table and the diagrams all read it.
+
+Engines and modules are named here, not imported (the vocabulary must not depend on the
+runtime): `schedules.runtime` resolves the names. A row's `engine` may also be a PipelineEngine
+subclass of your own that takes `schedule_cls=` (as tests do with a recording engine).
 """
-import functools
-import importlib
-import pkgutil
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Union
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from schedules.definitions.dualpipe import DualPipeSchedule
+from schedules.definitions.interleaved import Interleaved1F1BSchedule
+from schedules.definitions.vshape import DualPipeVSchedule, ZBVSchedule
+from schedules.definitions.zero_bubble import ZBH1Schedule, ZBH2Schedule
+from schedules.placement import DualPipeVPlacement, StockPlacement
+
+# Engines (schedules/runtime/__init__.py resolves them); None: the one deepspeed.initialize picks.
+SPLIT_BACKWARD, CHUNKED = 'split-backward', 'chunked'
+# PipelineModules; None: from the placement (several chunks per rank: ChunkedPipelineModule, else
+# the model's own PipelineModule, one stage per rank).
+DEEPSPEED_DUALPIPEV_MODULE = 'deepspeed-dualpipev'
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduleSpec:
     name: str
     factory: Callable  # (micro_batches, stages, stage_id) -> PipeSchedule; may raise ValueError
-    placement: type  # the simulator's Placement subclass modelling the engine that runs it
+    placement: type  # where chunks live, with the traits of the engine that runs it (the simulator's model)
     description: str = ''
-    engine: Optional[type] = None  # PipelineEngine subclass taking schedule_cls=; None: DeepSpeed's own choice
+    engine: Union[None, str, type] = None  # SPLIT_BACKWARD, CHUNKED, an engine class, or None: DeepSpeed's own
     trains: bool = True  # train.py can run it
-    module: Optional[Callable] = None  # (layers, **PipelineModule kwargs) -> the PipelineModule it needs
-
-    @property
-    def pipe_module(self):
-        """What builds this schedule's PipelineModule: several chunks per rank where its placement has
-        them; None for the models' own one-stage-per-rank PipelineModule."""
-        if self.module is not None:
-            return self.module
-        from schedules.placement import ChunkedPlacement
-        if issubclass(self.placement, ChunkedPlacement):
-            from schedules.module import ChunkedPipelineModule
-            return functools.partial(ChunkedPipelineModule, placement=self.placement)
-        return None
+    module: Optional[str] = None  # DEEPSPEED_DUALPIPEV_MODULE, or None: the one its placement needs
 
 
-SCHEDULES = {}
+def _ours(cls, engine, description):
+    """A row for one of our OrderedSchedule classes: its placement is the class's own."""
+    return ScheduleSpec(cls.name, cls, cls.placement_cls, description, engine)
+
+
+SCHEDULES = {spec.name: spec for spec in (
+    ScheduleSpec('1f1b', ds.TrainSchedule, StockPlacement,
+                 "DeepSpeed's TrainSchedule (1F1B) on its stock PipelineEngine"),
+    _ours(ZBH1Schedule, SPLIT_BACKWARD, "ZB-H1: 1F1B with deferred W filling the cool-down"),
+    _ours(ZBH2Schedule, SPLIT_BACKWARD, "ZB-H2: extra warm-up forwards, zero bubble when iterations interlock"),
+    _ours(Interleaved1F1BSchedule, CHUNKED, "Interleaved 1F1B (Megatron-LM): v chunks per rank, bubble / v"),
+    _ours(ZBVSchedule, CHUNKED, "ZB-V: V placement, split backward, 1F1B memory"),
+    _ours(DualPipeVSchedule, CHUNKED, "DualPipeV: DeepSeek's cut-in-half DualPipe, with deferred W"),
+    _ours(DualPipeSchedule, CHUNKED, "DualPipe (DeepSeek-V3): bidirectional, two copies of each stage, deferred W"),
+    ScheduleSpec('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
+                 "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine", module=DEEPSPEED_DUALPIPEV_MODULE),
+)}
 
 
 def register_schedule(name, factory, placement, description='', engine=None, trains=True, module=None):
+    """Add a row (a schedule defined outside this package, e.g. in a test)."""
     SCHEDULES[name] = ScheduleSpec(name, factory, placement, description, engine, trains, module)
+
+
+def available_schedules():
+    """{name: ScheduleSpec} of every schedule."""
+    return SCHEDULES
 
 
 def schedule_spec(name, virtual_stages=None):
     """The registered schedule `name`; with `virtual_stages`, its variant with that many chunks per rank."""
-    spec = available_schedules()[name]
+    spec = SCHEDULES[name]
     if virtual_stages is None:
         return spec
     factory = spec.factory.with_virtual_stages(virtual_stages)
-    return ScheduleSpec(name, factory, factory.placement_cls, spec.description, spec.engine, spec.trains, spec.module)
-
-
-def available_schedules():
-    """Import every module of the `schedules` package (so their registrations run); return the registry."""
-    import schedules
-    for mod in pkgutil.iter_modules(schedules.__path__):
-        if mod.name not in ('plot', ):  # the renderer registers nothing and pulls in matplotlib
-            importlib.import_module(f'schedules.{mod.name}')
-    return SCHEDULES
+    return replace(spec, factory=factory, placement=factory.placement_cls)

@@ -12,7 +12,7 @@ measures:
 - build peak:  the RSS high-water mark during `get_model(...)` above base RSS (transients),
 - params:      bytes of the parameters of the rank's own stage,
 - peak saved:  peak bytes autograd holds for backward during one `engine.train_batch()` over
-               `--micro-batches` micro-batches (schedules.memory.SavedTensorTracker: each storage
+               `--micro-batches` micro-batches (schedules.observe.memory.SavedTensorTracker: each storage
                once, parameters excluded, live count falls as backward frees the graph),
 - peak RSS:    the rank's RSS high-water mark over its whole life (model, optimizer state,
                gradients, activations, communication buffers).
@@ -20,7 +20,7 @@ Prints a table per rank, a summary per (stages, build) with the LayerSpec build'
 writes memory.json (raw), memory.txt (the tables) and memory.png to --out.
 
 RSS honesty: before each RSS reading the worker runs gc.collect() and glibc malloc_trim(0)
-(schedules.memory.release_free_memory), so freed tensors that glibc kept in its heap do not
+(schedules.observe.memory.release_free_memory), so freed tensors that glibc kept in its heap do not
 count; RSS deltas then measure live memory, not the allocator's history. (The JSON also keeps
 `build_rss_untrimmed`: with `type:Block` the build only allocates and the two agree; with
 `parameters`, untrimmed RSS kept 0.3-17 MiB of freed layers per rank on the reference machine.)
@@ -43,10 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the project's modules when run as `python scripts/benchmark_memory.py`
+from schedules.observe.memory import MiB, machine_info, machine_line
 
-from schedules.memory import MiB, machine_info, machine_line  # noqa: E402  (after the path fix)
+ROOT = Path(__file__).resolve().parent.parent
 
 BUILDS = {False: "list", True: "LayerSpec"}
 
@@ -63,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--partition-method", default="type:Block", help="same for both builds")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="AdamW is torch's (torch_adam)")
     p.add_argument("--out", default=str(ROOT / "runs" / "memory"), help="directory for memory.json and memory.png")
+    p.add_argument("--docs", action="store_true", help="also publish: docs/bench/memory.json and docs/benchmarks.md")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch before its ranks are killed")
     # worker mode (one rank; started by the parent through local_launch)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -98,12 +98,12 @@ def ds_config(args) -> dict:
 def worker(args):
     from datetime import timedelta
 
-    import torch
     import deepspeed
+    import torch
     import torch.distributed as dist
 
     import gptlite
-    from schedules import memory
+    from schedules.observe import memory
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
@@ -224,7 +224,8 @@ def report(doc) -> str:
              f"machine: {machine_line(doc['machine'])}", "", "Per rank (MiB):"]
     lines.append(table(["stages", "build", "rank", "layers", "base RSS", "build RSS", "build peak", "params",
                         "peak saved", "peak RSS"],
-                       [[r["stages"], r["build"], r["rank"], f"{r['first_layer']}-{r['first_layer'] + len(r['layers']) - 1}",
+                       [[r["stages"], r["build"], r["rank"],
+                         f"{r['first_layer']}-{r['first_layer'] + len(r['layers']) - 1}",
                          mib(r["base_rss"]), mib(r["build_rss"]), mib(r["build_peak"]), mib(r["param_bytes"]),
                          mib(r["peak_saved"]), mib(r["peak_rss"])] for r in results]))
     lines += ["", "Per configuration, max (rank) / mean over ranks (MiB):"]
@@ -286,7 +287,8 @@ def parent(args):
     for stages in args.stages:
         for spec in [b == "spec" for b in args.builds]:
             with tempfile.TemporaryDirectory() as tmp:
-                worker_args = ["--worker", "--num-stages", stages, "--result-dir", tmp, "--model-size", args.model_size,
+                worker_args = ["--worker", "--num-stages", stages, "--result-dir", tmp,
+                               "--model-size", args.model_size,
                                "--n-layer", args.n_layer, "--block-size", args.block_size,
                                "--micro-batches", args.micro_batches, "--micro-batch-size", args.micro_batch_size,
                                "--partition-method", args.partition_method, "--optimizer", args.optimizer,
@@ -309,6 +311,9 @@ def parent(args):
     print()
     print(text)
     print(f"\nwrote {out / 'memory.json'}, {out / 'memory.png'}, {out / 'memory.txt'}")
+    if args.docs:
+        import benchmark_docs  # beside this script
+        benchmark_docs.publish(doc, "memory")
 
 
 def main(argv=None):

@@ -16,8 +16,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 MODES = ("late", "ahead")
 
 
@@ -27,6 +25,8 @@ def parse_args(argv=None):
     p.add_argument("--kib", type=int, default=128, help="message size (the deep model's activation: 128 KiB)")
     p.add_argument("--compute-ms", type=float, default=10.0, help="compute on each rank around the message")
     p.add_argument("--out", default="runs/p2p")
+    p.add_argument("--docs", action="store_true",
+                   help="also publish: docs/bench/p2p.json (p2p-512kib.json with --kib 512) and docs/benchmarks.md")
     p.add_argument("--port", type=int, default=29561)
     return p.parse_args(argv)
 
@@ -73,7 +73,8 @@ def _rank(rank, args, queue):
 def main(argv=None):
     args = parse_args(argv)
     import torch.multiprocessing as mp
-    from schedules.memory import machine_line
+
+    from schedules.observe.memory import machine_line
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args, queue)) for r in range(2)]
@@ -92,8 +93,12 @@ def main(argv=None):
         lines.append(f"ERROR: {result['wrong_messages']} messages arrived with the wrong data")
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
+    record = {"machine": machine_line(), "args": vars(args), **result}
     with open(os.path.join(args.out, "p2p.json"), "w") as f:
-        json.dump({"machine": machine_line(), "args": vars(args), **result}, f, indent=1)
+        json.dump(record, f, indent=1)
+    if args.docs:
+        import benchmark_docs  # beside this script
+        benchmark_docs.publish(record, "p2p" if args.kib == 128 else f"p2p-{args.kib}kib")
     return 1 if result["wrong_messages"] else 0
 
 

@@ -25,11 +25,8 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
@@ -48,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--out", default="runs/schedules")
+    p.add_argument("--docs", action="store_true",
+                   help="also publish the results: docs/bench/{deep,gptlite}.json and docs/benchmarks.md")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: one GPU per rank, nccl, passes timed after a device synchronize, CUDA peak memory")
@@ -63,8 +62,7 @@ def build_engine(name, args, m):
     import deep_model
     import gptlite
     import schedules
-    from schedules.registry import schedule_spec
-    pipe = dict(pipeline_num_stages=args.stages, pipeline_spec_layers=True, pipe_module=schedule_spec(name).pipe_module)
+    pipe = dict(pipeline_num_stages=args.stages, pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name))
     if args.model == "gptlite":
         model = gptlite.get_model(model_size=args.model_size, partition_weights=args.partition_weights, **pipe)
     else:
@@ -88,6 +86,7 @@ def gptlite_layer_costs(args, repeats=5):
     GPU): the weights that balance the stages (the 50257-token head would otherwise make one
     stage dominate)."""
     import torch
+
     import gptlite
     torch.set_num_threads(1)
     device = torch.device(args.device)
@@ -138,8 +137,8 @@ def worker(args):
     import torch.distributed as dist
 
     from deep_model import synthetic_micro_batch
-    from schedules.memory import SavedTensorTracker, peak_rss_bytes, reset_peak_rss
-    from schedules.trace import Tracer, engine_placement
+    from schedules.observe.memory import SavedTensorTracker, peak_rss_bytes, reset_peak_rss
+    from schedules.observe.trace import Tracer, engine_placement
 
     cuda = args.device == "cuda"
     if cuda:  # one GPU per rank (NCCL refuses two ranks on one device)
@@ -160,7 +159,8 @@ def worker(args):
     names = args.schedules
     engines = {name: build_engine(name, args, m) for name in names}
     for engine in engines.values():
-        engine.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=torch.cuda.synchronize if cuda else None)
+        engine.tracer = Tracer(engine.stage_id, engine_placement(engine),
+                               sync=torch.cuda.synchronize if cuda else None)
     if args.worker == "memory":
         for name, engine in engines.items():
             engine.train_batch(iter(batches))  # warm-up: buffers, shapes
@@ -173,7 +173,8 @@ def worker(args):
                 engine.train_batch(iter(batches))
                 engine.tracer.stop()
             result["schedules"][name] = {"peak_saved_bytes": tracker.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
-                                         "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
+                                         "param_bytes": sum(p.numel() * p.element_size()
+                                                            for p in engine.module.parameters()),
                                          "memory_deltas": engine.tracer.memory_deltas}
             if cuda:  # everything the step held on the device: parameters, gradients, optimizer state too
                 result["schedules"][name]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
@@ -240,11 +241,11 @@ def launch_worker(args, what, m, names):
 
 
 def analyse_throughput(ranks, args, m):
-    from schedules.plot import plot_measured_vs_predicted
+    from schedules.observe.plot import plot_measured_vs_predicted
+    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration
     from schedules.registry import available_schedules
-    from schedules.simulate import simulate
-    from schedules.timeline import Pass, Timeline
-    from schedules.trace import measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration
+    from schedules.simulator.simulate import simulate
+    from schedules.simulator.timeline import Pass, Timeline
     latency = statistics.median(r["latency_s"] for r in ranks)
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
     cpu = [measured_p2p_cpu(t) for name, t in traces.items() if available_schedules()[name].placement.async_sends]
@@ -295,8 +296,8 @@ def analyse_memory(ranks, args, m):
     activation units (chunk sizes, B frees half) and its peak in bytes when each pass's change of
     the saved bytes is the one measured in the run (`measured_memory`), which checks that the
     schedule holds the micro-batches the simulator says it holds, whatever one of them weighs."""
-    from schedules.simulate import simulate
-    from schedules.trace import measured_memory
+    from schedules.observe.trace import measured_memory
+    from schedules.simulator.simulate import simulate
     rows = {}
     for name in ranks[0]["schedules"]:
         units = [row["peak_activation_memory"] for row in simulate(name, args.stages, m, iterations=1).per_rank]
@@ -304,7 +305,8 @@ def analyse_memory(ranks, args, m):
         predicted = [row["peak_activation_memory"]
                      for row in simulate(name, args.stages, m, iterations=1, memory=table).per_rank]
         saved = [r["schedules"][name]["peak_saved_bytes"] for r in ranks]
-        rows[name] = {"peak_saved_bytes": saved, "peak_rss_bytes": [r["schedules"][name]["peak_rss_bytes"] for r in ranks],
+        rows[name] = {"peak_saved_bytes": saved,
+                      "peak_rss_bytes": [r["schedules"][name]["peak_rss_bytes"] for r in ranks],
                       "param_bytes": [r["schedules"][name]["param_bytes"] for r in ranks], "units": units,
                       "bytes_per_unit": [s / u for s, u in zip(saved, units)], "predicted_bytes": predicted,
                       "measured_over_predicted": [s / q for s, q in zip(saved, predicted)],
@@ -323,7 +325,8 @@ def table_throughput(res, m):
         bub = "  ".join(f"{b:5.1%}/{q:5.1%}" for b, q in zip(r["bubble"], r["predicted_bubble"]))
         lines.append(f"{name:20} {r['iter_s'] * 1e3:8.1f} {r['samples_per_s']:9.0f} {r['tokens_per_s']:9.0f} "
                      f"{r.get('speedup', 1):7.2f} "
-                     f"{r.get('predicted_speedup', 1):7.2f} {r['span_s'] * 1e3:8.1f} {r['predicted_span_s'] * 1e3:8.1f}"
+                     f"{r.get('predicted_speedup', 1):7.2f} {r['span_s'] * 1e3:8.1f} "
+                     f"{r['predicted_span_s'] * 1e3:8.1f}"
                      f"  {bub}; " + " ".join(f"{t * 1e3:.1f}" for t in r["p2p_s"])
                      + ("; step's CUDA peak MiB " + " ".join(f"{b / 2**20:.0f}" for b in r["step_cuda_bytes"])
                         if "step_cuda_bytes" in r else ""))
@@ -374,7 +377,7 @@ def main(argv=None):
     if args.worker:
         args.micro_batches = args.micro_batches[:1]
         return worker(args)
-    from schedules.memory import machine_line
+    from schedules.observe.memory import machine_line
     from schedules.registry import available_schedules, schedule_spec
     machine = machine_line()
     if args.device == "cuda":
@@ -418,6 +421,9 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     if "throughput" in report:
         plot(report["throughput"], os.path.join(args.out, "throughput.png"))
+    if args.docs:
+        import benchmark_docs  # beside this script
+        benchmark_docs.publish(report, args.model)
 
 
 if __name__ == "__main__":

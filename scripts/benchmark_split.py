@@ -16,21 +16,19 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import deep_model
+import gptlite
+from schedules.observe.memory import machine_info, machine_line
+from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the project's modules when run as `python scripts/benchmark_split.py`
-
-import torch  # noqa: E402  (after the path fix)
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-import deep_model  # noqa: E402
-import gptlite  # noqa: E402
-from schedules.memory import machine_info, machine_line  # noqa: E402
-from schedules.weight_grad import apply_weight_grads, defer_weight_grads  # noqa: E402
 
 PHASES = ("F", "BW", "B", "W")
 WORKLOADS = ("gpt-middle", "gpt-last", "deep")
@@ -51,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="rounds run first and discarded")
     p.add_argument("--threads", type=int, default=1, help="torch threads (pipeline ranks here run 1)")
     p.add_argument("--out", default=str(ROOT / "runs" / "split"), help="directory for split.json and split.txt")
+    p.add_argument("--docs", action="store_true", help="also publish: docs/bench/split.json and docs/benchmarks.md")
     return p.parse_args(argv)
 
 
@@ -213,6 +212,9 @@ def main(argv=None):
     record = {"args": vars(args), "machine": info, "machine_line": machine_line(info), "elapsed_s": elapsed,
               "workloads": results}
     (out / "split.json").write_text(json.dumps(record, indent=1))
+    if args.docs:
+        import benchmark_docs  # beside this script
+        benchmark_docs.publish(record, "split")
     return record
 
 

@@ -30,10 +30,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 START = time.perf_counter()  # the budget counts imports and model builds too
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]  # the project's modules and benchmark_split
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after START: the budget counts the import)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NO_GPU = "gpu_benchmark: no CUDA device here; run it on a GPU machine (see README); nothing measured"
 PHASES = ("F", "B", "W", "BW")
@@ -264,10 +264,13 @@ def main(argv=None):
     global bench, gptlite, defer_weight_grads, apply_weight_grads, simulate, ScheduleError
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs on import; stdout keeps the tables
         import benchmark_split as bench
+
         import gptlite
-        from schedules.memory import machine_info
-        from schedules.simulate import ScheduleError, available_schedules, simulate
-        from schedules.weight_grad import apply_weight_grads, defer_weight_grads
+        from schedules.errors import ScheduleError
+        from schedules.observe.memory import machine_info
+        from schedules.registry import available_schedules
+        from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+        from schedules.simulator.simulate import simulate
     device = torch.device("cpu" if args.device == "cpu" else "cuda", 0)
     info, notes, n = machine_info(), [], torch.cuda.device_count() if device.type == "cuda" else 0
     info.update(cuda=torch.version.cuda, gpu_count=n, gpus=[{"name": torch.cuda.get_device_name(i), "memory_bytes":
@@ -313,7 +316,8 @@ def main(argv=None):
     wall = time.perf_counter() - START
     gpus = f"{name} x{n}" if n else "no GPU"
     head = [f"gpu_benchmark on {device} ({gpus}), torch {info['torch']}, CUDA {info['cuda']}, deepspeed "
-            f"{info['deepspeed']}; peak {peak_tf or '-'} TFLOP/s ({peak_src}); {args.rounds} rounds; took {wall:.0f} s",
+            f"{info['deepspeed']}; peak {peak_tf or '-'} TFLOP/s ({peak_src}); {args.rounds} rounds; "
+            f"took {wall:.0f} s",
             "stage key: role-blocks (first adds the embedding, last LayerNorm + head + loss)", *notes]
     text = "\n".join(head + (["", *distributed["lines"]] if distributed and "lines" in distributed else [])
                      + sum((["", *size_text(s, r)] for s, r in sizes.items()), []))

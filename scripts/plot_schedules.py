@@ -12,11 +12,10 @@ import contextlib
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator notice to stdout on import
-    from schedules.plot import plot_timeline  # noqa: E402
-    from schedules.simulate import available_schedules, simulate  # noqa: E402
+    from schedules.observe.plot import plot_timeline
+    from schedules.registry import available_schedules
+    from schedules.simulator.simulate import simulate
 
 
 def main():

@@ -9,15 +9,18 @@ given p2p latency. Same renderer, same scale: the differences are what the cost 
 """
 import argparse
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-    from schedules.plot import plot_measured_vs_predicted
-    from schedules.trace import (load_chrome_trace, load_p2p_events, measured_dispatch, measured_p2p_cpu,
-                                 one_iteration, predict)
+    from schedules.observe.plot import plot_measured_vs_predicted
+    from schedules.observe.trace import (
+        load_chrome_trace,
+        load_p2p_events,
+        measured_dispatch,
+        measured_p2p_cpu,
+        one_iteration,
+        predict,
+    )
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")

@@ -11,14 +11,12 @@ finished the last. Peak activation memory is in micro-batch activations of one 1
 import argparse
 import contextlib
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 # DeepSpeed logs to stdout (its accelerator notice on import); keep stdout for the table / JSON.
 with contextlib.redirect_stdout(sys.stderr):
-    from schedules.simulate import available_schedules, simulate  # noqa: E402
+    from schedules.registry import available_schedules
+    from schedules.simulator.simulate import simulate
 
 
 def rows(stages, micro_batches, latency=0.0):

@@ -1,9 +1,17 @@
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+
+@pytest.fixture(autouse=True)
+def _multiprocess_tests_are_marked(request, monkeypatch):
+    """The fast tier (`-m "not multiprocess"`) stays fast: a test that launches ranks must say so."""
+    if request.node.get_closest_marker("multiprocess") is None:
+        import local_launch
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} launches processes: mark it @pytest.mark.multiprocess")
+        # every launch() asks for a port first, however the test imported launch
+        monkeypatch.setattr(local_launch, "free_port", refuse)
 
 
 @pytest.fixture(scope="session")

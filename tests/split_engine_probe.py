@@ -8,29 +8,26 @@ train_batch with SCHEDULE (argv[1]):
 Prints one JSON line with what it saw.
 """
 import json
-import os
 import sys
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import deepspeed
+import torch
+from deepspeed.runtime.pipe import schedule as ds
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from deepspeed.runtime.pipe import schedule as ds  # noqa: E402
-
-import gptlite  # noqa: E402
-import schedules  # noqa: E402
-from schedules.instructions import BackwardInputPass, BackwardWeightPass  # noqa: E402
-from schedules.registry import available_schedules, register_schedule  # noqa: E402
-from schedules.weight_grad import Linear  # noqa: E402
-
-KINDS = {ds.ForwardPass: "F", BackwardInputPass: "B", BackwardWeightPass: "W", ds.BackwardPass: "BW"}
+import gptlite
+import schedules
+from schedules.instructions import PASS_KIND, BackwardInputPass, BackwardWeightPass
+from schedules.registry import available_schedules, register_schedule
+from schedules.runtime import engine_class
+from schedules.runtime.weight_grad import Linear
 
 
 def main(schedule):
     spec = available_schedules()[schedule]
+    base = engine_class(spec)
 
-    class Recording(spec.engine):
+    class Recording(base):
         def _exec_schedule(self, pipe_schedule):
             self.executed, self.after_first = [], {}
             super()._exec_schedule(pipe_schedule)
@@ -55,7 +52,7 @@ def main(schedule):
             super()._exec_backward_weight_pass(buffer_id)
             self.after_first.setdefault("W", self._linear_and_other_grads())
 
-        _INSTRUCTION_MAP = {**spec.engine._INSTRUCTION_MAP, ds.ForwardPass: _exec_forward_pass,
+        _INSTRUCTION_MAP = {**base._INSTRUCTION_MAP, ds.ForwardPass: _exec_forward_pass,
                             BackwardInputPass: _exec_backward_input_pass,
                             BackwardWeightPass: _exec_backward_weight_pass}
 
@@ -69,8 +66,8 @@ def main(schedule):
     batches = [(torch.randint(0, 50257, (2, 32), generator=g), torch.randint(0, 50257, (2, 32), generator=g))
                for _ in range(4)]
     engine.train_batch(iter(batches))
-    stream = [(KINDS[type(c)], c.buffer_id) for step in spec.factory(4, 2, engine.stage_id).steps() for c in step
-              if type(c) in KINDS]
+    stream = [(PASS_KIND[type(c)], c.buffer_id) for step in spec.factory(4, 2, engine.stage_id).steps() for c in step
+              if type(c) in PASS_KIND]
     print(json.dumps({"stage": engine.stage_id, "executed": engine.executed, "stream": stream,
                       "after_first_b": engine.after_first["B"], "after_first_w": engine.after_first["W"]}))
     torch.distributed.barrier()  # neither rank tears gloo down while the other still talks

@@ -3,7 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from local_launch import ROOT
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def test_benchmark_p2p_receives_late_and_ahead(tmp_path):

@@ -3,13 +3,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from local_launch import ROOT
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def test_tiny_benchmark_reports_every_figure(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark_schedules.py"), "--what", "both",
                           "--rounds", "1", "--steps-per-round", "2", "--deep-width", "64", "--deep-depth", "16",
-                          "--micro-batch-size", "4", "--micro-batches", "4", "--schedules", "1f1b", "zb-h1", "zb-v", "interleaved",
+                          "--micro-batch-size", "4", "--micro-batches", "4",
+                          "--schedules", "1f1b", "zb-h1", "zb-v", "interleaved",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "both.json").read_text())

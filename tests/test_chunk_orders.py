@@ -1,5 +1,9 @@
 """The compute orders of the multi-chunk schedules: Interleaved 1F1B, ZB-V, DualPipeV, DualPipe.
 
+Independent of schedules/simulator on purpose: the orders are checked here by a second, much
+simpler model (list scheduling with dependencies, no instructions, no communication), written
+apart from the simulator so that a bug in one cannot hide a bug in the other.
+
 1. Completeness: every (micro-batch, chunk) has one F and one backward (B then W, or fused) on
    its rank, F before B before W.
 2. Executability and published figures: a list-scheduling simulation of all ranks (each runs its
@@ -14,9 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from schedules.dualpipe import dualpipe_order
-from schedules.interleaved import interleaved_1f1b_order, interleaved_round_size
-from schedules.vshape import dualpipev_order, zbv_order
+from schedules.definitions.dualpipe import dualpipe_order
+from schedules.definitions.interleaved import interleaved_1f1b_order, interleaved_round_size
+from schedules.definitions.vshape import dualpipev_order, zbv_order
+from schedules.passes import Action, Paired, actions, paired
 
 PS = range(2, 9)
 
@@ -42,11 +47,8 @@ def mirror_placement(p):
 
 def parts(unit):
     """The (kind, mb, chunk) parts of a compute unit; a fused backward 'BW' stays one part."""
-    if unit[0] in ('F', 'B', 'W', 'BW'):
-        return [unit]
-    kind, (mb_f, c_f), (mb_b, c_b) = unit
-    assert kind in ('FB', 'FBW'), unit
-    return [('F', mb_f, c_f), (kind[1:], mb_b, c_b)]
+    assert isinstance(unit, (Action, Paired)), unit
+    return list(actions([unit]))
 
 
 def check_complete(orders, p, chunks, m_per_chunk):
@@ -147,10 +149,8 @@ def interlocked_period(make_order, p, m, placement, iterations=4):
             out[r] = []
             for it in range(k):
                 for unit in make_order(r):
-                    if unit[0] in ('F', 'B', 'W', 'BW'):
-                        out[r].append((unit[0], unit[1] + it * m, unit[2]))
-                    else:
-                        out[r].append((unit[0], (unit[1][0] + it * m, unit[1][1]), (unit[2][0] + it * m, unit[2][1])))
+                    later = [a._replace(micro_batch=a.micro_batch + it * m) for a in parts(unit)]
+                    out[r].append(Paired(*later) if isinstance(unit, Paired) else later[0])
         return out
 
     spans = [simulate(orders(k), placement)[2] for k in (iterations, iterations + 1)]
@@ -337,9 +337,9 @@ def test_dualpipev_is_half_of_dualpipe(n):
     swap = {0: 1, 1: 0}
 
     def mirrored(unit):
-        if unit[0] == 'FBW':
-            return ('FBW', (unit[1][0], swap[unit[1][1]]), (unit[2][0], swap[unit[2][1]]))
-        return (unit[0], unit[1], swap[unit[2]])
+        if isinstance(unit, Paired):
+            return Paired(*(mirrored(a) for a in unit))
+        return Action(unit.kind, unit.micro_batch, swap[unit.chunk])
 
     for m in (2 * n, 3 * n + 1, 4 * n):
         for r in range(n):
@@ -469,7 +469,7 @@ def _to_tuples(actions, chunk_of_stage):
         if a.computation_type.value == 'OVERLAP_F_B':
             f, b = (one(x) for x in a.sub_actions)
             assert f[0] == 'F' and b[0] in ('B', 'BW')
-            out.append(('FB' if b[0] == 'B' else 'FBW', f[1:], b[1:]))
+            out.append(paired(f[1:], b[1:], fused=b[0] == 'BW'))
         else:
             out.append(one(a))
     return out

@@ -12,6 +12,8 @@ import torch
 from local_launch import launch
 from training import TINY_CHUNKED, TOL, assert_same_training, train
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 PP2, PP4 = ["--pipeline-parallel-size", "2"], ["--pipeline-parallel-size", "4"]
 SPEC, CKPT = ["--pipeline-spec-layers"], ["--activation-checkpoint-interval", "1"]
 CASES = {  # name: (ranks, flags, micro-batches per step)
@@ -86,7 +88,8 @@ def test_resume_gives_the_same_next_losses(schedule, tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("global_step2")  # roll back to the step-2 checkpoint
     resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
     assert resumed.ok, resumed.explain()
-    losses = lambda name: [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
     full_losses, resumed_losses = losses("full.jsonl"), losses("resumed.jsonl")
     assert len(full_losses) == 4 and len(resumed_losses) == 2
     assert resumed_losses == pytest.approx(full_losses[2:], abs=TOL)

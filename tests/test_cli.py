@@ -3,6 +3,8 @@ import pytest
 
 from local_launch import launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 CASES = {
     "unknown-schedule": (["--pipeline-schedule", "nope"], "--pipeline-schedule"),
     "unknown-model": (["--model", "nope"], "--model"),

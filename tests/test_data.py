@@ -2,7 +2,6 @@
 
 import hashlib
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import pytest
 import tiktoken
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
+import data
 
 MISSING_HUB_ID = "gptlite-tests/no-such-dataset"  # never in any cache, so offline runs always fail on it
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_benchmark.py"
 PHASES = ("F", "B", "W", "BW")
 
@@ -26,6 +28,7 @@ def load_script():
     return module
 
 
+@pytest.mark.multiprocess
 def test_without_gpu_prints_one_line_and_exits_0_or_2_when_required():
     plain = run()
     assert plain.returncode == 0, plain.stderr
@@ -34,6 +37,7 @@ def test_without_gpu_prints_one_line_and_exits_0_or_2_when_required():
     assert required.returncode == 2 and "no CUDA device" in required.stdout
 
 
+@pytest.mark.multiprocess
 def test_dry_run_on_cpu_writes_stage_costs_and_predictions(tmp_path):
     done = run("--device", "cpu", "--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -73,6 +77,7 @@ def test_chunks_give_each_placement_its_stages():
     assert v[0, 0] == "first-2" and v[0, 1] == "last-1" and v[3, 0] == "middle-2"  # half-size chunks
 
 
+@pytest.mark.multiprocess
 def test_several_gpus_run_the_schedule_benchmark(tmp_path, monkeypatch):
     """The multi-GPU glue, exercised on CPU: the command it builds is run with `--device cpu` and
     tiny sizes in place of the GPU ones, and its results land in the record."""

@@ -6,8 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from schedules.memory import (SavedTensorTracker, machine_info, machine_line, peak_rss_bytes, release_free_memory,
-                              reset_peak_rss, rss_bytes)
+from schedules.observe.memory import (
+    SavedTensorTracker,
+    machine_info,
+    machine_line,
+    peak_rss_bytes,
+    release_free_memory,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 N = 1000
 NB = N * 4  # bytes of one float32 tensor of N elements
@@ -85,7 +92,8 @@ def test_ignored_parameters_and_linear():
 
 def test_gradients_unchanged_by_tracker():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
     x = torch.randn(5, 16)
     model(x).square().mean().backward()
     expected = [p.grad.clone() for p in model.parameters()]

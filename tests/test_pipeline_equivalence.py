@@ -9,6 +9,8 @@ import torch
 from local_launch import launch
 from training import TOL, assert_same_training, train
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 MICRO_BATCHES = 8  # per optimizer step, over all data-parallel ranks
 
 
@@ -95,7 +97,8 @@ def test_resume_gives_the_same_next_losses(tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("global_step2")  # roll back to the step-2 checkpoint
     resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
     assert resumed.ok, resumed.explain()
-    losses = lambda name: [json.loads(l)["loss"] for l in (tmp_path / name).read_text().splitlines()]
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
     full_losses, resumed_losses = losses("full.jsonl"), losses("resumed.jsonl")
     assert len(full_losses) == 4 and len(resumed_losses) == 2
     assert resumed_losses == pytest.approx(full_losses[2:], abs=TOL)

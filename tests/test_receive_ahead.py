@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import schedules.receive_ahead as ra
+import schedules.runtime.receive_ahead as ra
 
 
 class FakeComm:

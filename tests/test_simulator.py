@@ -1,4 +1,5 @@
-"""The pipeline-schedule simulator: closed forms, DeepSpeed's DualPipeV, broken streams, extension APIs.
+"""The pipeline-schedule simulator: measured costs, DeepSpeed's DualPipeV, broken streams, extension APIs
+(the closed forms of every schedule are in test_closed_forms.py).
 
 Every broken stream must end in a ScheduleError naming the rank and what it waited on: the
 simulator detects lack of progress, so none of these tests can hang.
@@ -13,10 +14,12 @@ from collections import Counter
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from schedules import simulate as sim
-from schedules.simulate import (Compute, DualPipeVPlacement, ScheduleError, StockPlacement, register_instruction,
-                                register_schedule, simulate)
-from schedules.timeline import Timeline
+from schedules import registry
+from schedules.errors import ScheduleError
+from schedules.placement import DualPipeVPlacement, StockPlacement
+from schedules.registry import register_schedule
+from schedules.simulator.simulate import Compute, register_instruction, simulate
+from schedules.simulator.timeline import Timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,37 +66,6 @@ def check_causality(timeline, stages):
             assert done[('F', stage, mb, it)].end <= p.start + 1e-9
             if stage < stages - 1:
                 assert done[(kind, stage + 1, mb, it)].end <= p.start + 1e-9
-
-
-# ----------------------------------------------------------------------------------------------
-# stock 1F1B against its closed forms
-
-@pytest.mark.parametrize('p', range(2, 9))
-@pytest.mark.parametrize('m', [1, 2, 3, 5, 8, 16])
-def test_1f1b_closed_forms(p, m):
-    r = simulate('1f1b', p, m, iterations=1)
-    # unit costs: F = 1, BW = 2; 1F1B idles (p-1)(F+B) on every rank, whatever M
-    assert r.makespan == 3 * (m + p - 1)
-    for row in r.per_rank:
-        assert row['busy'] == 3 * m
-        assert row['idle_synced'] == 3 * (p - 1)
-        assert row['params'] == 1
-    assert r.per_rank[0]['peak_activation_memory'] == min(p, m)
-    assert r.worst('peak_activation_memory') == min(p, m)
-    check_causality(r.timeline, p)
-
-
-def test_1f1b_interlocked_and_inference():
-    # 1F1B: rank 0 both starts and ends an iteration, so chaining iterations gains nothing.
-    r = simulate('1f1b', 4, 8, iterations=5)
-    assert r.period == r.makespan == 33
-    assert all(row['idle_interlocked'] == 9 for row in r.per_rank)
-    assert r.chained.iterations() == [0, 1, 2, 3, 4]
-    check_causality(r.chained, 4)
-    # Forward-only pipelining: the drain of one batch overlaps the fill of the next.
-    r = simulate(ds.InferenceSchedule, 4, 8, forward_only=True)
-    assert r.makespan == 8 + 3 and r.period == 8
-    assert all(row['idle_synced'] == 3 and row['idle_interlocked'] == 0 for row in r.per_rank)
 
 
 def test_latency_and_costs_in_seconds():
@@ -194,7 +166,8 @@ def test_receive_posted_before_the_send_it_needs_deadlocks():
     assert 'rank 0 (iteration 0, step 1: RecvGrad(buffer_id=0)) waits to receive gradient of stage 1->0 ' \
            'for micro-batch 0 from rank 1' in msg
     # rank 1's first receive starts with the engine's tensor-shape message
-    assert 'rank 1 (iteration 0, step 1: RecvActivation(buffer_id=0)) waits to receive tensor-meta of stage 0->1' in msg
+    assert ('rank 1 (iteration 0, step 1: RecvActivation(buffer_id=0)) waits to receive tensor-meta of stage 0->1'
+            in msg)
 
 
 def test_swapped_receives_match_an_activation_with_a_gradient():
@@ -269,8 +242,8 @@ def test_missing_commit_and_unknown_instruction():
 
     class MyForward(ds.ForwardPass):  # a subclass is not the registered type
         pass
-    swap = perturbed(ds.TrainSchedule, 0, lambda steps: steps.__setitem__(0, [MyForward(0) if type(c) is
-                                                                              ds.ForwardPass else c for c in steps[0]]))
+    swap = perturbed(ds.TrainSchedule, 0, lambda steps: steps.__setitem__(
+        0, [MyForward(0) if type(c) is ds.ForwardPass else c for c in steps[0]]))
     with pytest.raises(ScheduleError, match='rank 0.*does not understand MyForward'):
         simulate(swap, 2, 4, iterations=1)
     # DualPipeV's instructions on the stock engine: it has no CommitP2P and no phases
@@ -278,7 +251,8 @@ def test_missing_commit_and_unknown_instruction():
         simulate(ds.DualPipeVSchedule, 2, 4, placement=StockPlacement, iterations=1)
     phased = perturbed(ds.TrainSchedule, 1, lambda steps: steps.__setitem__(1, [
         ds.ForwardPass(c.buffer_id, phase=1) if type(c) is ds.ForwardPass else c for c in steps[1]]))
-    with pytest.raises(ScheduleError, match=r'rank 1: the stock PipelineEngine cannot run ForwardPass\(buffer_id=0, phase=1\)'):
+    with pytest.raises(ScheduleError,
+                       match=r'rank 1: the stock PipelineEngine cannot run ForwardPass\(buffer_id=0, phase=1\)'):
         simulate(phased, 2, 4, iterations=1)
 
 
@@ -367,11 +341,11 @@ def test_registered_paired_instruction():
 def test_register_schedule():
     register_schedule('test-split-backward', SplitBackward, StockPlacement, 'test only')
     try:
-        assert 'test-split-backward' in sim.available_schedules()
+        assert 'test-split-backward' in registry.available_schedules()
         assert simulate('test-split-backward', 2, 4).per_rank[0]['busy'] == 12
     finally:
-        del sim.SCHEDULES['test-split-backward']
-    assert {'1f1b', 'dualpipev-deepspeed'} <= set(sim.available_schedules())
+        del registry.SCHEDULES['test-split-backward']
+    assert {'1f1b', 'dualpipev-deepspeed'} <= set(registry.available_schedules())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,13 +362,14 @@ def test_timeline_json_round_trip(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
-    from schedules.plot import plot_timeline
+    from schedules.observe.plot import plot_timeline
     r = simulate(ds.InferenceSchedule, 3, 4, forward_only=True)
     path = tmp_path / 'x.png'
     plot_timeline(r.chained, path, title='inference', reference_end=5, focus_iteration=2)
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.multiprocess
 def test_schedule_table_json():
     out = subprocess.run([sys.executable, 'scripts/schedule_table.py', '--stages', '4', '--micro-batches', '6',
                           '--json'], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120).stdout

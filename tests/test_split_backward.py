@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import deep_model
 import gptlite
-from schedules.memory import SavedTensorTracker
-from schedules.weight_grad import Linear, apply_weight_grads, defer_weight_grads
+from schedules.observe.memory import SavedTensorTracker
+from schedules.runtime.weight_grad import Linear, apply_weight_grads, defer_weight_grads
 
 
 def gpt_stage():

@@ -6,6 +6,8 @@ import pytest
 
 from local_launch import launch
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
 def test_engine_executes_the_stream_and_defers_weight_gradients(schedule):

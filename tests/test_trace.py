@@ -5,12 +5,19 @@ import json
 import pytest
 
 from local_launch import ROOT, launch
-from schedules.simulate import simulate
-from schedules.timeline import Pass, Timeline
-from schedules.trace import (load_chrome_trace, measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration,
-                             predict)
+from schedules.observe.trace import (
+    load_chrome_trace,
+    measured_costs,
+    measured_dispatch,
+    measured_p2p_cpu,
+    one_iteration,
+    predict,
+)
+from schedules.simulator.simulate import simulate
+from schedules.simulator.timeline import Pass, Timeline
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "dualpipe"])
 def test_trace_matches_the_schedule(schedule, tmp_path):
     trace = tmp_path / "trace.json"
@@ -58,11 +65,13 @@ def test_engine_time_measured_from_the_trace():
     row = [Pass("F", 0, 0, 0, 0.0, 1.0), Pass("F", 0, 0, 1, 1.5, 2.5)]
     p2p = [("SendActivation", 1.1, 1.4, 0), ("SendActivation", 2.6, 2.8, 0)]
     assert measured_dispatch(Timeline([row], "s"), [p2p]) == {0: pytest.approx(0.15)}  # 3 gaps of 0.1, 2 passes
-    peer = [("RecvActivation", 1.5, 1.6, 0), ("RecvActivation", 2.7, 3.5, 0)]  # the first found its data, the second waited
+    # the first found its data, the second waited
+    peer = [("RecvActivation", 1.5, 1.6, 0), ("RecvActivation", 2.7, 3.5, 0)]
     send, recv = measured_p2p_cpu([p2p, peer])
     assert send == pytest.approx(0.25) and recv == pytest.approx(0.1)
 
 
+@pytest.mark.multiprocess
 def test_plot_trace_draws_measured_and_predicted(tmp_path):
     trace = tmp_path / "trace.json"
     run = launch(2, ["--model", "deep", "--deep-depth", "4", "--deep-width", "32", "--steps", "2",
@@ -78,8 +87,8 @@ def test_plot_trace_draws_measured_and_predicted(tmp_path):
 
 
 def test_untraced_engines_do_no_timing_work():
-    from schedules.engine import SplitBackwardEngine
-    from schedules.trace import traced
+    from schedules.observe.trace import traced
+    from schedules.runtime.split_engine import SplitBackwardEngine
     plain, timed = SplitBackwardEngine._INSTRUCTION_MAP, traced(SplitBackwardEngine)._INSTRUCTION_MAP
     assert plain.keys() == timed.keys()
     assert all(plain[t] is not timed[t] for t in plain)  # only the traced class wraps its handlers

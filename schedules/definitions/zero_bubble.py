@@ -15,9 +15,9 @@ m micro-batches, stage i (0 = first). Unit costs F = B = W = 1:
 Both are written as lags: in its steady state stage i runs F of micro-batch x, B of x - b_lag
 and W of x - w_lag (see LaggedSchedule).
 """
-from schedules.engine import SplitBackwardEngine, SplitBackwardPlacement
-from schedules.ordered import OrderedSchedule
-from schedules.registry import register_schedule
+from schedules.lowering import OrderedSchedule
+from schedules.passes import Action, B, F, W
+from schedules.placement import SplitBackwardPlacement
 
 
 class LaggedSchedule(OrderedSchedule):
@@ -47,14 +47,14 @@ class LaggedSchedule(OrderedSchedule):
         """(b_lag, w_lag) of this stage."""
         raise NotImplementedError
 
-    placement_cls = SplitBackwardPlacement
+    placement_cls = SplitBackwardPlacement  # the split-backward engine: rank r runs stage r
 
     def compute_order(self):
         m = self.micro_batches
         b_lag, w_lag = self.lags()
         order = []
         for x in range(m + w_lag):
-            order += [(kind, x - lag) for kind, lag in (('F', 0), ('B', b_lag), ('W', w_lag)) if 0 <= x - lag < m]
+            order += [Action(kind, x - lag) for kind, lag in ((F, 0), (B, b_lag), (W, w_lag)) if 0 <= x - lag < m]
         return order
 
 
@@ -83,7 +83,3 @@ class ZBH2Schedule(LaggedSchedule):
         p, i = self.stages, self.stage_id
         return 2 * (p - 1 - i), 2 * (p - 1)
 
-
-for _cls, _what in ((ZBH1Schedule, "ZB-H1: 1F1B with deferred W filling the cool-down"),
-                    (ZBH2Schedule, "ZB-H2: extra warm-up forwards, zero bubble when iterations interlock")):
-    register_schedule(_cls.name, _cls, SplitBackwardPlacement, _what, engine=SplitBackwardEngine)

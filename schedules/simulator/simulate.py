@@ -14,9 +14,10 @@ together at the CommitP2P (dist.batch_isend_irecv), which waits for all of them.
 the head of a channel, a wait that can never end, or a buffer used out of order raises
 ScheduleError naming rank, step and instruction: schedules are checked, not trusted.
 
-Extending: teach a new instruction type once with `register_instruction`, next to its engine
-handler; add a schedule with one `register_schedule` line next to its class (any module of
-the `schedules` package is imported by `available_schedules()`).
+Every compute instruction is understood through `schedules.instructions.PASS_KIND`; an
+instruction type from elsewhere is taught once with `register_instruction`. Schedules are looked
+up by name in schedules/registry.py. The simulator reads the vocabulary and the definitions,
+never an engine.
 """
 
 import itertools
@@ -26,13 +27,11 @@ from typing import Optional
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from schedules.registry import SCHEDULES, available_schedules, register_schedule  # noqa: F401 (re-exported)
-from schedules.timeline import Pass, Timeline
-
-
-class ScheduleError(Exception):
-    """A schedule that deadlocks, breaks the p2p protocol or misuses its buffers."""
-
+from schedules.errors import ScheduleError
+from schedules.instructions import PASS_KIND, ForwardBackwardPass
+from schedules.placement import Placement, StockPlacement
+from schedules.registry import available_schedules
+from schedules.simulator.timeline import Pass, Timeline
 
 ACTIVATION, GRADIENT, META = 'activation', 'gradient', 'tensor-meta'
 
@@ -117,8 +116,11 @@ def register_instruction(instr_type, handler=None):
 
 
 register_instruction(ds.LoadMicroBatch, lambda i, c: [Load(c.chunk, i.buffer_id)])
-register_instruction(ds.ForwardPass, lambda i, c: [Compute('F', c.chunk, i.buffer_id)])
-register_instruction(ds.BackwardPass, lambda i, c: [Compute('BW', c.chunk, i.buffer_id)])
+for _t, _kind in PASS_KIND.items():
+    register_instruction(_t, lambda i, c, kind=_kind: [Compute(kind, c.chunk, i.buffer_id)])
+register_instruction(ForwardBackwardPass, lambda i, c: [Compute(kind, chunk, buf, pair=True) for kind, chunk, buf in
+                                                        zip(i.kinds(), (i.fwd_chunk, i.bwd_chunk),
+                                                            (i.fwd_buffer, i.bwd_buffer))])
 register_instruction(ds.SendActivation, lambda i, c: [Send(ACTIVATION, c.chunk, i.buffer_id)])
 register_instruction(ds.RecvActivation, lambda i, c: [Recv(ACTIVATION, c.chunk, i.buffer_id)])
 register_instruction(ds.SendGrad, lambda i, c: [Send(GRADIENT, c.chunk, i.buffer_id)])
@@ -126,77 +128,6 @@ register_instruction(ds.RecvGrad, lambda i, c: [Recv(GRADIENT, c.chunk, i.buffer
 register_instruction(ds.CommitP2P, lambda i, c: [Commit()])
 for _t in (ds.OptimizerStep, ds.ReduceGrads, ds.ReduceTiedGrads):  # no barrier, no cost here
     register_instruction(_t, lambda i, c: [])
-
-
-# ----------------------------------------------------------------------------------------------
-# Placements: how an engine maps (rank, instruction) to chunk, global stage and peer.
-
-class Placement:
-    """Ranks hold `chunks` model chunks each; chunk (r, c) runs global stage `stage(r, c)`.
-
-    Neighbours follow the stage order: activations go from stage s to s + 1 and gradients back.
-    When both stages sit on one rank the hand-over is local (no message).
-    """
-    chunks = 1
-    batched_p2p = False  # sends/receives only queue until CommitP2P
-    tensor_meta = True  # the first activation send of each chunk is preceded by a blocking shape message
-    single_grad_slot = False  # the engine keeps one received gradient at a time
-    async_sends = False  # sends are posted (isend) and complete later; the stream waits for them at its end
-    channels_by_kind = False  # activations and gradients travel on separate communicators (FIFO within each)
-    handlers = {}  # engine-specific overrides of the instruction registry
-
-    def __init__(self, ranks):
-        self.ranks = ranks
-        self._owner = {self.stage(r, c): (r, c) for r in range(ranks) for c in range(self.chunks)}
-        assert len(self._owner) == ranks * self.chunks, 'override neighbour() when stages repeat'
-        self.num_stages = len(self._owner)
-
-    def stage(self, rank, chunk):
-        return rank
-
-    def chunk_size(self, rank, chunk):
-        """Share of the model in units of one 1F1B stage (1/p of the model)."""
-        return self.ranks / self.num_stages
-
-    def chunk_of(self, rank, instr):
-        return instr.kwargs.get('chunk', instr.kwargs.get('phase', 0))
-
-    def neighbour(self, rank, chunk, step, direction=None):
-        """(rank, chunk) holding the stage `step` (+1 downstream, -1 upstream) away, or None."""
-        return self._owner.get(self.stage(rank, chunk) + step)
-
-    def direction(self, chunk):
-        """Which stream of micro-batches a chunk serves (None: the only one)."""
-        return None
-
-
-class StockPlacement(Placement):
-    """DeepSpeed's PipelineEngine: rank r runs stage r, sends activations to r+1, grads to r-1."""
-    single_grad_slot = True  # _exec_recv_grads writes self.grad_layer, read by the next backward
-
-    def chunk_of(self, rank, instr):
-        extra = set(instr.kwargs) - {'buffer_id'}
-        if extra:  # the stock engine calls its handlers with **kwargs and would raise
-            raise ScheduleError(f'rank {rank}: the stock PipelineEngine cannot run {instr!r} '
-                                f'(its handlers take only buffer_id, not {sorted(extra)})')
-        return 0
-
-
-class DualPipeVPlacement(Placement):
-    """DeepSpeed's DualPipeVEngine: rank r holds stage r (phase 0) and 2p-1-r (phase 1).
-
-    Chunk = instruction's phase. Phase 0 sends activations to r+1, phase 1 to r-1, as in
-    _downstream_stage(); on the last rank phase 0 hands over to phase 1 locally (the engine
-    copies the outputs), which the stage order below gives: stages p-1 and p share rank p-1.
-    """
-    chunks = 2
-    batched_p2p = True
-
-    def stage(self, rank, chunk):
-        return rank if chunk == 0 else 2 * self.ranks - 1 - rank
-
-    def chunk_of(self, rank, instr):
-        return instr.kwargs.get('phase', 0)  # LoadMicroBatch carries no phase: it fills phase 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +415,8 @@ class _Simulation:
                 buf.inp = mb
         else:
             if buf.out is None:
-                raise ScheduleError(f'{rk.at()}: receives a gradient for buffer {e.buffer}, which holds no forward output')
+                raise ScheduleError(f'{rk.at()}: receives a gradient for buffer {e.buffer}, which holds no forward '
+                                    f'output')
             mb = buf.out
 
             def on_match(buf=buf, mb=mb, rk=rk, at=rk.at()):
@@ -651,8 +583,3 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                          'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
     return SimResult(timeline, chained, makespan, period, per_rank, units)
 
-
-register_schedule('1f1b', ds.TrainSchedule, StockPlacement, "DeepSpeed's TrainSchedule (1F1B) on its stock PipelineEngine")
-register_schedule('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
-                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine",
-                  module=lambda layers, **kw: __import__('schedules.module').module.stock_dualpipev_module(layers, **kw))

@@ -11,14 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-# F: forward. BW: fused backward (inputs and weights). B and W: the backward split into the
-# input-gradient pass (on the critical path) and the weight-gradient pass (deferrable).
-KINDS = ('F', 'B', 'W', 'BW')
-
 
 @dataclass
 class Pass:
-    kind: str  # one of KINDS
+    kind: str  # one of schedules.passes.KINDS: F, B, W, BW
     stage: int  # global model stage the pass runs (0 .. number of stages - 1)
     chunk: int  # index among the rank's chunks (0 or 1 today), used for shading
     micro_batch: int  # index within its iteration (0 .. M - 1)
@@ -62,7 +58,8 @@ class Timeline:
         return sum(p.duration for p in self.ranks[rank] if iteration is None or p.iteration == iteration)
 
     def to_dict(self):
-        return {'units': self.units, 'meta': dict(self.meta), 'ranks': [[asdict(p) for p in row] for row in self.ranks]}
+        return {'units': self.units, 'meta': dict(self.meta),
+                'ranks': [[asdict(p) for p in row] for row in self.ranks]}
 
     @classmethod
     def from_dict(cls, data):

@@ -7,15 +7,8 @@ in chunk 1, so rank 0 holds both the first stage (loads the data) and the last (
 A chunk is half a stage of the p-stage 1F1B pipeline: its passes take half as long and its
 activations take half the memory.
 
-Pass vocabulary (one tuple per compute unit of a rank):
-
-    ('F',  mb, chunk)     forward
-    ('B',  mb, chunk)     backward for inputs only (its W comes later)
-    ('W',  mb, chunk)     backward for weights of an earlier 'B'
-    ('BW', mb, chunk)     fused (full) backward
-    ('FBW', (mb_f, chunk_f), (mb_b, chunk_b))
-                          forward of (mb_f, chunk_f) overlapped with the full backward of
-                          (mb_b, chunk_b), as one unit (DualPipeV only)
+Passes (schedules/passes.py): Action(kind, mb, chunk) with kinds F, B (weights deferred), W
+and BW (fused); DualPipeV also pairs a forward with a full backward as one unit, Paired.
 
 ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6). Backwards split
 into B and W. The warm-up brings every rank to 2p-1 chunk forwards in flight, one more makes
@@ -33,7 +26,7 @@ DualPipeVSchedule and PyTorch's ScheduleDualPipeV). In DualPipe on 2p ranks, ran
 stage r of copy 0 and stage 2p-1-r of copy 1. Cut the pipeline in half: keep ranks 0..p-1 and
 one model, whose micro-batches run stages 0..p-1 on chunk 0 of ranks 0..p-1 and then stages
 p..2p-1 on chunk 1 of ranks p-1..0 -- the V placement. Each kept rank runs its DualPipe order
-unchanged, phase = chunk, so the 8 steps are `dualpipe_steps` of schedules/dualpipe.py with
+unchanged, phase = chunk, so the 8 steps are `dualpipe_steps` of schedules/definitions/dualpipe.py with
 num_half_ranks = p, half_rank = r and m micro-batches per phase; rank p-1, at the turn of the
 V, plays DualPipe's middle rank. Published (DualPipe README): bubble (PP/2 - 1)(F&B + B - 3W)
 with PP = 2p chunk-stages, activation PP + 1 = 2p + 1 chunk activations, on PP/2 = p devices.
@@ -43,9 +36,12 @@ deferred where DeepSeek's steps use `enable_zb` (Step 3, the second half of Step
 run at the W slots of Steps 3, 7 and 8, oldest first; DeepSpeed's DualPipeVSchedule runs every
 backward fused instead.
 """
-from schedules.dualpipe import dualpipe_steps
+from schedules.definitions.dualpipe import dualpipe_steps
+from schedules.lowering import OrderedSchedule
+from schedules.passes import Action, B, F, W
+from schedules.placement import VPlacement
 
-__all__ = ["zbv_order", "dualpipev_order", "check_zbv", "check_dualpipev"]
+__all__ = ["ZBVSchedule", "DualPipeVSchedule", "zbv_order", "dualpipev_order", "check_zbv", "check_dualpipev"]
 
 
 def _check_ranks(name, p, rank):
@@ -81,7 +77,7 @@ def zbv_order(p, m, rank):
     def run(kind, chunk):
         mb = nxt.get((kind, chunk), 0)
         nxt[(kind, chunk)] = mb + 1
-        order.append((kind, mb, chunk))
+        order.append(Action(kind, mb, chunk))
 
     def done(kind, chunk):
         return nxt.get((kind, chunk), 0)
@@ -89,49 +85,49 @@ def zbv_order(p, m, rank):
     # Warm-up 1: 2(p-r)-1 forwards of chunk 0 -- what it takes for the first micro-batch to go
     # down to rank p-1 and come back up to this rank's chunk 1.
     for _ in range(2 * (p - r) - 1):
-        run('F', 0)
+        run(F, 0)
     # Warm-up 2: r pairs F1 F0 -- chunk 1 starts while chunk 0 keeps filling (2p-1 chunk
     # activations alive after this phase on every rank).
     for _ in range(r):
-        run('F', 1)
-        run('F', 0)
+        run(F, 1)
+        run(F, 0)
     # Warm-up 3: p-r triples F1 B1 W1 -- chunk 1's backwards start (the loss is on rank 0, so
     # B of chunk 1 can follow its F at once there); W right after B keeps memory at p.
     for _ in range(p - r):
-        run('F', 1)
-        run('B', 1)
-        run('W', 1)
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
     # Steady state: F0 B0 W0 F1 B1 W1 -- one of each per chunk, no idle time when F = B = W;
     # once chunk 0 has no forwards left, the same without F0.
-    while done('F', 1) < m:
-        if done('F', 0) < m:
-            run('F', 0)
-        run('B', 0)
-        run('W', 0)
-        run('F', 1)
-        run('B', 1)
-        run('W', 1)
+    while done(F, 1) < m:
+        if done(F, 0) < m:
+            run(F, 0)
+        run(B, 0)
+        run(W, 0)
+        run(F, 1)
+        run(B, 1)
+        run(W, 1)
     # Cool-down 1: r pairs B0 B1 -- backwards on the critical path first, their W held back.
     for _ in range(r):
-        run('B', 0)
-        run('B', 1)
+        run(B, 0)
+        run(B, 1)
     # Cool-down 2: p-r pairs B0 W0 -- the last backwards of chunk 0, each followed by the oldest
     # W of chunk 0 still outstanding.
     for _ in range(p - r):
-        run('B', 0)
-        run('W', 0)
+        run(B, 0)
+        run(W, 0)
     # Cool-down 3: the held-back W passes fill the tail: chunk 1's, then chunk 0's.
-    while done('W', 1) < m:
-        run('W', 1)
-    while done('W', 0) < m:
-        run('W', 0)
+    while done(W, 1) < m:
+        run(W, 1)
+    while done(W, 0) < m:
+        run(W, 0)
     return order
 
 
 def dualpipev_order(p, m, rank):
     """Rank `rank`'s order of compute passes for DualPipeV on p ranks with m micro-batches.
 
-    The 8 steps of DualPipe (schedules/dualpipe.py, `dualpipe_steps`), phase = chunk:
+    The 8 steps of DualPipe (schedules/definitions/dualpipe.py, `dualpipe_steps`), phase = chunk:
         Step 1: nF0        2(p-r-1) forwards of chunk 0
         Step 2: nF0F1      r+1 pairs F0 F1
         Step 3: nB1W1F1    p-r-1 times B1 (split), its W1, F1
@@ -147,17 +143,27 @@ def dualpipev_order(p, m, rank):
 
 
 # --- the DeepSpeed schedules --------------------------------------------------------------------
-from schedules.chunked_engine import ChunkedEngine  # noqa: E402
-from schedules.ordered import ordered_schedule  # noqa: E402
-from schedules.placement import VPlacement  # noqa: E402
-from schedules.registry import register_schedule  # noqa: E402
+class ZBVSchedule(OrderedSchedule):
+    """ZB-V on the V placement: split backward, 1F1B's peak memory on every rank."""
+    name = "zb-v"
+    placement_cls = VPlacement
+
+    @classmethod
+    def check(cls, micro_batches, stages):
+        check_zbv(stages, micro_batches)
+
+    def compute_order(self):
+        return zbv_order(self.stages, self.micro_batches, self.stage_id)
 
 
-ZBVSchedule = ordered_schedule("zb-v", VPlacement, zbv_order, check_zbv, "ZB-V on the V placement.")
-DualPipeVSchedule = ordered_schedule("dualpipev", VPlacement, dualpipev_order, check_dualpipev,
-                                     "DualPipeV on the V placement, with deferred W.")
+class DualPipeVSchedule(OrderedSchedule):
+    """DualPipeV on the V placement, with W deferred where DeepSeek's steps defer it."""
+    name = "dualpipev"
+    placement_cls = VPlacement
 
-register_schedule("zb-v", ZBVSchedule, VPlacement, "ZB-V: V placement, split backward, 1F1B memory",
-                  engine=ChunkedEngine)
-register_schedule("dualpipev", DualPipeVSchedule, VPlacement,
-                  "DualPipeV: DeepSeek's cut-in-half DualPipe, with deferred W", engine=ChunkedEngine)
+    @classmethod
+    def check(cls, micro_batches, stages):
+        check_dualpipev(stages, micro_batches)
+
+    def compute_order(self):
+        return dualpipev_order(self.stages, self.micro_batches, self.stage_id)

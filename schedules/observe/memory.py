@@ -205,7 +205,8 @@ class SavedTensorTracker:
 
     def __enter__(self):
         import torch
-        from schedules.weight_grad import register_holder
+
+        from schedules.runtime.weight_grad import register_holder
         register_holder(self)
         self._active = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -213,7 +214,7 @@ class SavedTensorTracker:
         return self
 
     def __exit__(self, *exc):
-        from schedules.weight_grad import unregister_holder
+        from schedules.runtime.weight_grad import unregister_holder
         unregister_holder(self)
         self._active = False
         self._hooks.__exit__(*exc)

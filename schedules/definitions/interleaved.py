@@ -27,13 +27,17 @@ m), and beyond that the m that m // p rounds split evenly: for p = 4, m = 1..8, 
 20, 24, 28, ...; m = 9 (2 rounds of 4.5) or 14 (3 rounds of 4.67) are rejected. Every accepted
 (p, m) is checked executable by the dependency simulation in tests/test_chunk_orders.py.
 
-Pass vocabulary (one tuple per compute pass of a rank):
-
-    ('F',  mb, chunk)     forward
-    ('BW', mb, chunk)     fused backward (inputs and weights)
+Passes (schedules/passes.py): Action(F, mb, chunk) forwards and Action(BW, mb, chunk) fused
+backwards.
 """
+import functools
 
-__all__ = ["interleaved_1f1b_order", "check_interleaved", "interleaved_round_size", "DEFAULT_VIRTUAL_STAGES"]
+from schedules.lowering import OrderedSchedule
+from schedules.passes import BW, Action, F
+from schedules.placement import InterleavedPlacement
+
+__all__ = ["Interleaved1F1BSchedule", "interleaved_1f1b_order", "check_interleaved", "interleaved_round_size",
+           "DEFAULT_VIRTUAL_STAGES"]
 
 DEFAULT_VIRTUAL_STAGES = 2
 
@@ -83,23 +87,17 @@ def interleaved_1f1b_order(p, m, v, rank):
     # micro-batch in its last chunk; each hop upstream adds two (one forward down, one backward
     # up). Capped at all the forwards when m is small.
     warmup = min((v - 1) * g + 2 * (p - 1 - rank), total)
-    order = [('F', *slot(k, False)) for k in range(warmup)]
+    order = [Action(F, *slot(k, False)) for k in range(warmup)]
     # Steady state (1F1B): the next forward, then the oldest backward.
     for k in range(total - warmup):
-        order.append(('F', *slot(warmup + k, False)))
-        order.append(('BW', *slot(k, True)))
+        order.append(Action(F, *slot(warmup + k, False)))
+        order.append(Action(BW, *slot(k, True)))
     # Cool-down: the backwards left.
-    order += [('BW', *slot(k, True)) for k in range(total - warmup, total)]
+    order += [Action(BW, *slot(k, True)) for k in range(total - warmup, total)]
     return order
 
 
 # --- the DeepSpeed schedule ---------------------------------------------------------------------
-from schedules.chunked_engine import ChunkedEngine  # noqa: E402
-from schedules.ordered import OrderedSchedule  # noqa: E402
-from schedules.placement import InterleavedPlacement  # noqa: E402
-from schedules.registry import register_schedule  # noqa: E402
-
-
 class Interleaved1F1BSchedule(OrderedSchedule):
     """Interleaved 1F1B with v = `virtual_stages` chunks per rank (`with_virtual_stages(v)` for others)."""
     name = "interleaved"
@@ -107,7 +105,9 @@ class Interleaved1F1BSchedule(OrderedSchedule):
     placement_cls = InterleavedPlacement.with_chunks(DEFAULT_VIRTUAL_STAGES)
 
     @classmethod
+    @functools.cache
     def with_virtual_stages(cls, v):
+        """The same schedule with v chunks per rank (one class per v, so engines and simulator share it)."""
         return type(f"Interleaved1F1BSchedule{v}", (cls, ), {"virtual_stages": v,
                                                                "placement_cls": InterleavedPlacement.with_chunks(v)})
 
@@ -118,6 +118,3 @@ class Interleaved1F1BSchedule(OrderedSchedule):
     def compute_order(self):
         return interleaved_1f1b_order(self.stages, self.micro_batches, self.virtual_stages, self.stage_id)
 
-
-register_schedule("interleaved", Interleaved1F1BSchedule, Interleaved1F1BSchedule.placement_cls,
-                  "Interleaved 1F1B (Megatron-LM): v chunks per rank, bubble / v", engine=ChunkedEngine)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds
 
-from schedules.engine import SplitBackwardEngine
 from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+from schedules.runtime.split_engine import SplitBackwardEngine
 
 
 class ChunkedEngine(SplitBackwardEngine):
@@ -127,7 +127,10 @@ class ChunkedEngine(SplitBackwardEngine):
             self._grads[slot] = self.pipe_buffers['inputs'][below].grad
             self.pipe_buffers['inputs'][below] = None
         with self._in_chunk(chunk):
-            (SplitBackwardEngine._exec_backward_pass if fused else SplitBackwardEngine._exec_backward_input_pass)(self, slot)
+            if fused:
+                SplitBackwardEngine._exec_backward_pass(self, slot)
+            else:
+                SplitBackwardEngine._exec_backward_input_pass(self, slot)
 
     def _run_backward_weight(self, buffer_id, chunk):
         with self._in_chunk(chunk):

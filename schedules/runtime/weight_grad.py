@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _queue = None  # the list that Linear backward appends to while deferral is on, else None
-_holders = []  # memory trackers told what queued work keeps alive (schedules/memory.py)
+_holders = []  # memory trackers told what queued work keeps alive (schedules/observe/memory.py)
 
 
 def register_holder(holder):

@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
+from schedules.passes import KINDS  # noqa: E402
+
 # (light, dark) per kind: first chunk light, second chunk dark.
 COLOURS = {
     'F': ('#9ecae1', '#2171b5'),
@@ -87,7 +89,7 @@ def plot_timeline(timeline, path=None, title=None, reference_end=None, reference
                                    linewidth=1.4, zorder=2))
 
     handles = []
-    for kind in ('F', 'B', 'W', 'BW'):
+    for kind in KINDS:
         if kind in kinds:
             for c in sorted(chunks):
                 suffix = f' (chunk {c})' if len(chunks) > 1 else ''

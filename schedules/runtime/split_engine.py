@@ -3,7 +3,7 @@
 Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
 
 - `BackwardInputPass` (B): the stock backward of one micro-batch, run while `Linear` layers
-  defer their weight gradients (schedules/weight_grad.py); the deferred work is kept per buffer.
+  defer their weight gradients (weight_grad.py); the deferred work is kept per buffer.
 - `BackwardWeightPass` (W): runs that work, oldest first, accumulating into `.grad`.
 - `SendActivation` / `SendGrad`: asynchronous (`isend`). The stock engine sends with a blocking
   rendezvous, so a stage that sends early waits for its peer; zero-bubble schedules send as soon
@@ -11,7 +11,7 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   gradient reduction); received data arrives in posting order per pair of ranks. An activation
   stream's shape goes ahead of its first tensor, once, asynchronously as well.
 - `RecvActivation` / `RecvGrad`: on gloo, each channel's next receive is posted ahead, in the
-  order the step's own instruction stream gives (schedules/receive_ahead.py), so an early send
+  order the step's own instruction stream gives (receive_ahead.py), so an early send
   is not held up waiting for its receiver.
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
@@ -26,9 +26,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
-from schedules.receive_ahead import ReceiveAhead
-from schedules.simulate import StockPlacement
-from schedules.weight_grad import apply_weight_grads, defer_weight_grads
+from schedules.runtime.receive_ahead import ReceiveAhead
+from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
 
 class SplitBackwardEngine(PipelineEngine):
@@ -193,9 +192,3 @@ class SplitBackwardEngine(PipelineEngine):
         BackwardWeightPass: _exec_backward_weight_pass,
     }
 
-
-class SplitBackwardPlacement(StockPlacement):
-    """The simulator's model of SplitBackwardEngine: the stock one, with asynchronous sends and a
-    received gradient kept per micro-batch."""
-    async_sends = True
-    single_grad_slot = False

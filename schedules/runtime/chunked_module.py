@@ -12,7 +12,7 @@ built from the same per-layer seeds, so the copies start identical. The second c
 parameters are marked `ds_pipe_replicated`, which DeepSpeed's gradient-norm code skips, so
 clipping counts each parameter once; checkpoints save the first copy only.
 """
-from layers import LayerPipe
+from schedules.runtime.pipe_module import LayerPipe
 
 
 class ChunkedPipelineModule(LayerPipe):
@@ -34,7 +34,8 @@ class ChunkedPipelineModule(LayerPipe):
         for start, stop in self.chunk_bounds:
             if start == stop:
                 raise ValueError(f"a model stage of {self.placement.num_model_stages} got no layer: the model has "
-                                 f"{len(self._layer_specs)} layers; use fewer --pipeline-parallel-size or a deeper model")
+                                 f"{len(self._layer_specs)} layers; use fewer --pipeline-parallel-size or a deeper "
+                                 f"model")
 
     def _build(self):
         self.chunk_funcs = []

@@ -11,20 +11,21 @@ point-to-point instructions. Stock instructions carry only a buffer id, so micro
 recovered as the simulator does: forwards are counted per chunk, a backward belongs to the
 forward that filled its buffer. `write_chrome_trace` gathers every rank's records on rank 0 into
 one Chrome trace event file (opens in Perfetto or chrome://tracing); `load_chrome_trace` reads
-it back into a Timeline, which schedules/plot.py draws like a simulated one.
+it back into a Timeline, which schedules/observe/plot.py draws like a simulated one.
+
+`RunTrace` is what a training loop uses: `with trace.step(step):` around each step traces the
+steps asked for (one clock for all ranks, read after a barrier), and `trace.save()` writes the file.
 """
+import contextlib
 import json
+import os
 import statistics
 import time
-from types import MethodType
 
-from deepspeed.runtime.pipe import schedule as ds
-
-from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
-from schedules.timeline import Pass, Timeline
-
-COMPUTE = {ds.ForwardPass: 'F', ds.BackwardPass: 'BW', BackwardInputPass: 'B', BackwardWeightPass: 'W'}
-P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad, ds.CommitP2P)
+from schedules.instructions import P2P, PASS_KIND, ForwardBackwardPass, paired_kinds
+from schedules.placement import DualPipeVPlacement, StockPlacement
+from schedules.simulator.simulate import simulate
+from schedules.simulator.timeline import Pass, Timeline
 
 
 class Tracer:
@@ -84,7 +85,7 @@ def _chunk_of(kwargs, key='chunk'):
 
 def _wrap(instr_type, handler):
     """The handler, timed: compute passes become Timeline passes, p2p instructions waits."""
-    kind = COMPUTE.get(instr_type)
+    kind = PASS_KIND.get(instr_type)
 
     def traced_handler(self, **kwargs):
         tracer = self.tracer
@@ -113,8 +114,9 @@ def _wrap(instr_type, handler):
         m1 = tracer.live_bytes()
         (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
         t2 = tracer.now()
-        tracer.record('F', fwd_chunk, fwd_buffer, t0, t1, pair, live=(m0, m1))
-        tracer.record('BW' if fused else 'B', bwd_chunk, bwd_buffer, t1, t2, pair, live=(m1, tracer.live_bytes()))
+        fwd_kind, bwd_kind = paired_kinds(fused)
+        tracer.record(fwd_kind, fwd_chunk, fwd_buffer, t0, t1, pair, live=(m0, m1))
+        tracer.record(bwd_kind, bwd_chunk, bwd_buffer, t1, t2, pair, live=(m1, tracer.live_bytes()))
 
     return traced_pair if instr_type is ForwardBackwardPass else traced_handler
 
@@ -132,7 +134,6 @@ def engine_placement(engine):
     module = engine.module
     if hasattr(module, 'placement'):
         return module.placement
-    from schedules.simulate import DualPipeVPlacement, StockPlacement
     return (DualPipeVPlacement if hasattr(module, 'phase_funcs') else StockPlacement)(engine.num_stages)
 
 
@@ -154,6 +155,50 @@ def write_chrome_trace(tracers, path, meta):
                            "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
+
+
+class RunTrace:
+    """The passes of some steps of a training run, written as one Chrome trace by rank 0.
+
+    `engine` must be built traced (`schedules.initialize(..., trace=True)`); with `path` None
+    nothing is traced and `step()` costs nothing. `meta` goes into the file (schedule, stages, ...).
+    """
+
+    def __init__(self, engine, path, steps, meta):
+        self.engine, self.path, self.steps, self.meta = engine, path, range(0) if path is None else steps, meta
+        self.tracer = None
+        if path is not None:
+            import torch
+            sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # time kernels, not launches
+            engine.tracer = self.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=sync)
+
+    @contextlib.contextmanager
+    def step(self, step):
+        """Trace training step `step` if it is one of `steps`."""
+        if step not in self.steps:
+            yield
+            return
+        if self.tracer.origin is None:  # one clock for all ranks: read it right after a barrier
+            import torch.distributed as dist
+            dist.barrier()
+            self.tracer.origin = time.perf_counter()
+        self.tracer.start_iteration(step - self.steps[0])
+        try:
+            yield
+        finally:
+            self.tracer.stop()
+
+    def save(self):
+        """Gather the first data-parallel replica's traces on rank 0 and write them as one Chrome trace."""
+        if self.tracer is None:
+            return
+        import torch.distributed as dist
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.tracer if self.engine.grid.get_data_parallel_rank() == 0 else None)
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            meta = dict(self.meta, micro_batches=self.engine.micro_batches)
+            write_chrome_trace(sorted((t for t in parts if t is not None), key=lambda t: t.rank), self.path, meta)
 
 
 def load_chrome_trace(path):
@@ -262,7 +307,6 @@ def measured_dispatch(timeline, p2p_by_rank):
 
 def predict(timeline, latency=0.0, p2p_cpu=(0.0, 0.0), dispatch=0.0):
     """The simulator's synchronised prediction of a traced run's schedule, from the costs it measured."""
-    from schedules.simulate import simulate
     meta = timeline.meta
     return simulate(meta['schedule'], meta['stages'], meta['micro_batches'], costs=measured_costs(timeline),
                     latency=latency, p2p_cpu=p2p_cpu, dispatch=dispatch, iterations=1)

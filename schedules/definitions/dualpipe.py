@@ -24,9 +24,9 @@ a full backward chunk, W a weight-gradient chunk and F&B a forward and a backwar
 The unit of the main step is a pair: the forward of one direction overlapped with the backward
 of the other (the reference code computes them as one call so that one's communication hides
 behind the other's computation). In the reference the backward inside a pair is a *full*
-backward (its weight gradients are not deferred), so pairs are written 'FBW' here. Backwards
-that run alone are either full ('BW') or, where DeepSeek sets `enable_zb`, split: 'B' now and
-its 'W' pushed on a FIFO (DeepSeek's WeightGradStore) that each `_weight_chunk()` pops.
+backward (its weight gradients are not deferred), so pairs are Paired(F, BW) here. Backwards
+that run alone are either full (BW) or, where DeepSeek sets `enable_zb`, split: B now and
+its W pushed on a FIFO (DeepSeek's WeightGradStore) that each `_weight_chunk()` pops.
 
 Constraint on m (reasoned from the reference code): `num_chunks` there is the number of
 micro-batches of a step over both directions, and the reference asserts it is even and
@@ -36,22 +36,18 @@ still works out, but it is not the published schedule) or negative (then the ste
 longer account for every micro-batch). The paper's "only requires that the pipeline stages and
 micro-batches be divisible by 2" is the evenness half of this; m need not be a multiple of p.
 
-Pass vocabulary (what `dualpipe_order` returns, one tuple per compute unit of a rank):
-
-    ('F',  mb, chunk)                  forward
-    ('B',  mb, chunk)                  backward for inputs only (its W comes later)
-    ('W',  mb, chunk)                  backward for weights of an earlier 'B'
-    ('BW', mb, chunk)                  fused (full) backward
-    ('FBW', (mb_f, chunk_f), (mb_b, chunk_b))
-                                       forward of (mb_f, chunk_f) overlapped with the full
-                                       backward of (mb_b, chunk_b), as one unit
-
+Passes (schedules/passes.py): Action(kind, mb, chunk) with kinds F, B (weights deferred), W
+and BW (fused), and Paired(forward, backward) for a forward overlapped with a full backward.
 `mb` is the index within the chunk's direction. `dualpipe_steps` also serves DualPipeV
-(schedules/vshape.py), which is this schedule cut in half.
+(schedules/definitions/vshape.py), which is this schedule cut in half.
 """
 from collections import deque
 
-__all__ = ["dualpipe_order", "dualpipe_steps", "check_dualpipe"]
+from schedules.lowering import OrderedSchedule
+from schedules.passes import BW, Action, B, F, Paired, W
+from schedules.placement import MirrorPlacement
+
+__all__ = ["DualPipeSchedule", "dualpipe_order", "dualpipe_steps", "check_dualpipe"]
 
 
 def check_dualpipe(p, m):
@@ -81,24 +77,24 @@ class _RankOrder:
         return mb, chunk
 
     def forward(self, phase):
-        self.order.append(('F', *self._take('F', phase)))
+        self.order.append(Action(F, *self._take(F, phase)))
 
     def backward(self, phase, enable_zb=False):
-        """A backward running alone: split ('B', W deferred) with enable_zb, else fused ('BW')."""
-        mb, chunk = self._take('B', phase)
+        """A backward running alone: split (B, W deferred) with enable_zb, else fused (BW)."""
+        mb, chunk = self._take(B, phase)
         if enable_zb:
             self._deferred.append((mb, chunk))
-        self.order.append(('B' if enable_zb else 'BW', mb, chunk))
+        self.order.append(Action(B if enable_zb else BW, mb, chunk))
 
     def weight(self):
         """The oldest deferred weight pass."""
         if not self._deferred:
             raise AssertionError("a weight pass with no deferred backward")  # the step counts are wrong
-        self.order.append(('W', *self._deferred.popleft()))
+        self.order.append(Action(W, *self._deferred.popleft()))
 
     def forward_backward(self, phase_f, phase_b):
         """Forward of phase_f overlapped with the (full) backward of phase_b."""
-        self.order.append(('FBW', self._take('F', phase_f), self._take('B', phase_b)))
+        self.order.append(Paired(Action(F, *self._take(F, phase_f)), Action(BW, *self._take(B, phase_b))))
 
 
 def dualpipe_steps(num_half_ranks, half_rank, chunks_per_phase, chunk_of_phase=lambda phase: phase):
@@ -184,14 +180,14 @@ def dualpipe_order(p, m, rank):
 
 
 # --- the DeepSpeed schedule ---------------------------------------------------------------------
-from schedules.chunked_engine import ChunkedEngine  # noqa: E402
-from schedules.ordered import ordered_schedule  # noqa: E402
-from schedules.placement import MirrorPlacement  # noqa: E402
-from schedules.registry import register_schedule  # noqa: E402
+class DualPipeSchedule(OrderedSchedule):
+    """DualPipe on the mirror placement, with W deferred where DeepSeek's steps defer it."""
+    name = "dualpipe"
+    placement_cls = MirrorPlacement
 
+    @classmethod
+    def check(cls, micro_batches, stages):
+        check_dualpipe(stages, micro_batches)
 
-DualPipeSchedule = ordered_schedule("dualpipe", MirrorPlacement, dualpipe_order, check_dualpipe,
-                                    "DualPipe on the mirror placement, with deferred W.")
-
-register_schedule("dualpipe", DualPipeSchedule, MirrorPlacement,
-                  "DualPipe (DeepSeek-V3): bidirectional, two copies of each stage, deferred W", engine=ChunkedEngine)
+    def compute_order(self):
+        return dualpipe_order(self.stages, self.micro_batches, self.stage_id)

@@ -1,0 +1,10 @@
+"""Schedule definitions, one file per family. Each schedule is a named `OrderedSchedule` subclass
+(schedules/lowering.py) whose `compute_order()` reads like its paper's figure, phase by phase.
+
+    zero_bubble.py  ZB-H1, ZB-H2 (LaggedSchedule: two lags per stage)
+    interleaved.py  Interleaved 1F1B
+    vshape.py       ZB-V, DualPipeV (the V placement)
+    dualpipe.py     DualPipe (the mirror placement); dualpipe_steps, shared with DualPipeV
+
+They import only the vocabulary (passes, placement, lowering): no engine, no simulator.
+"""

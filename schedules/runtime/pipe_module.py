@@ -1,0 +1,76 @@
+"""`LayerPipe`: a DeepSpeed PipelineModule whose activation checkpointing groups start at each
+stage's first checkpointable layer, and which can balance stages on given per-layer weights.
+
+- `run_layers(...)`: forward through a list of layers with activation checkpointing applied to
+  groups of `interval` consecutive checkpointable layers (transformer blocks), each group
+  starting at the first such layer of the stage. DeepSpeed's own grouping counts from the
+  stage's first layer, so on stage 0 it would glue the embedding (integer input, which
+  reentrant checkpointing cannot take) to the first block and leave that group unchecked.
+- `LayerPipe`: a `PipelineModule` whose forward is `run_layers`; `partition_weights` cuts the
+  layers into stages of balanced total weight (e.g. measured per-layer times).
+
+The chunked module (chunked_module.py) builds on it; the models use it for their pipelines.
+"""
+from deepspeed.pipe import PipelineModule
+
+
+def run_layers(layers, x, interval: int = 0, checkpoint_fn=None, checkpointable=()):
+    """Apply `layers` in order; checkpoint runs of `interval` consecutive `checkpointable` layers."""
+    i = 0
+    while i < len(layers):
+        if interval > 0 and isinstance(layers[i], checkpointable):
+            group = []
+            while i < len(layers) and len(group) < interval and isinstance(layers[i], checkpointable):
+                group.append(layers[i])
+                i += 1
+            x = checkpoint_fn(_Sequence(group), x)
+        else:
+            x = layers[i](x)
+            i += 1
+    return x
+
+
+class _Sequence:
+    """A plain callable over a group of layers (not a Module: it must not re-register them)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LayerPipe(PipelineModule):
+    """PipelineModule whose activation checkpointing groups start at each stage's first block.
+
+    `checkpointable` (a class attribute, or a keyword argument) names the layer classes worth
+    checkpointing.
+    """
+    checkpointable: tuple = ()
+
+    def __init__(self, *args, checkpointable=None, partition_weights=None, **kwargs):
+        if checkpointable is not None:
+            self.checkpointable = tuple(checkpointable)
+        self.partition_weights = partition_weights  # per-layer costs to balance, e.g. measured times
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method='uniform'):
+        """DeepSpeed's partition methods, plus `partition_weights`: stages of balanced total weight
+        (the same balancing DeepSpeed's 'parameters' method does with parameter counts)."""
+        if self.partition_weights is None:
+            return super()._partition_layers(method)
+        if len(self.partition_weights) != len(self._layer_specs):
+            raise ValueError(f"partition_weights has {len(self.partition_weights)} entries for "
+                             f"{len(self._layer_specs)} layers")
+        from deepspeed.runtime import utils as ds_utils
+        self.parts = ds_utils.partition_balanced(weights=list(self.partition_weights), num_parts=self.num_stages)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def forward(self, x):
+        interval = self.activation_checkpoint_interval
+        if interval > 0 and isinstance(x, tuple) and len(x) == 1:
+            x = x[0]
+        return run_layers(self.forward_funcs, x, interval, self.activation_checkpoint_func, self.checkpointable)
