@@ -20,8 +20,20 @@ draws the data flow and gives the reading paths.
 
 `initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
-class to build. `pipe_module(schedule)` says which PipelineModule the schedule needs.
+class to build. `pipeline_module(schedule, layers, ...)` builds the PipelineModule the schedule needs from
+your layer list (`pipe_module(schedule)`: what builds it).
 """
+
+
+def pipeline_module(schedule, layers, virtual_stages=None, **kwargs):
+    """The PipelineModule that `schedule` needs, over your layer list: LayerSpecs, TiedLayerSpecs,
+    modules and callables, as deepspeed.pipe.PipelineModule takes them, with every PipelineModule
+    argument (`num_stages`, `loss_fn`, `partition_method`, `seed_layers`, `base_seed`,
+    `activation_checkpoint_interval`, `checkpointable_layers`, ...). Train it with `initialize(schedule, ...)`.
+    """
+    from schedules.runtime.pipe_module import LayerPipe
+    build = pipe_module(schedule, virtual_stages) or LayerPipe
+    return build(layers=layers, **kwargs)
 
 
 def pipe_module(schedule, virtual_stages=None):
@@ -50,6 +62,7 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
 
     from schedules.registry import available_schedules, schedule_spec
     from schedules.runtime import engine_class
+    from schedules.runtime.weight_grad import make_deferrable
 
     if schedule not in available_schedules():
         raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(available_schedules())}")
@@ -65,10 +78,12 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    if engine_cls is None:  # DeepSpeed's own engine, as deepspeed.initialize would pick it (to be traced)
-        engine_cls = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine
-    else:
+    ours = engine_cls is not None  # our engines take the schedule class, and may split the backward
+    if ours:
         kwargs["schedule_cls"] = spec.factory
+        deferrable = make_deferrable(model)  # plain torch.nn.Linear layers too, in place
+    else:  # DeepSpeed's own engine, as deepspeed.initialize would pick it (to be traced)
+        engine_cls = DualPipeVEngine if isinstance(model, DualPipeVModule) else PipelineEngine
     if trace:
         from schedules.observe.trace import traced
         engine_cls = traced(engine_cls)
@@ -78,4 +93,27 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     engine = engine_cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, mpu=mpu,
                         config=config, config_class=config_class, **kwargs)
     engine._configure_python_gc()
+    if ours:
+        _report_deferral(engine, spec, *deferrable)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _report_deferral(engine, spec, layers, elements, total):
+    """One line per stage (from its first data-parallel rank): what share of the stage's weight-gradient
+    work its W passes take; a warning when the schedule splits the backward but nothing can be deferred."""
+    import sys
+
+    from schedules.instructions import BackwardInputPass
+    if engine.grid.get_data_parallel_rank() != 0:
+        return
+    schedule = spec.factory(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+    if not any(type(cmd) is BackwardInputPass for step in schedule.steps() for cmd in step):
+        return  # every backward is fused: nothing is deferred, by design
+    where = f"[schedules] {spec.name}, stage {engine.stage_id} of {engine.num_stages}"
+    if layers == 0:
+        print(f"{where}: warning: the schedule defers weight gradients to W passes, but this stage has no "
+              f"torch.nn.Linear to defer, so its W passes do nothing and the split gains nothing "
+              f"(docs/architecture.md: making a layer deferrable)", file=sys.stderr, flush=True)
+        return
+    print(f"{where}: the weight gradients of {layers} linear layers, {elements / total:.0%} of the stage's trainable "
+          f"parameters, are deferrable to W passes", file=sys.stderr, flush=True)

@@ -62,6 +62,10 @@ class Placement:
         """(rank, chunk) holding the stage `step` (+1 downstream, -1 upstream) away, or None."""
         return self._owner.get(self.stage(rank, chunk) + step)
 
+    def owner(self, stage):
+        """(rank, chunk) that runs model stage `stage` (of the first direction, where there are two)."""
+        return self._owner[stage]
+
     def direction(self, chunk):
         """Which stream of micro-batches a chunk serves (None: the only one)."""
         return None
@@ -152,6 +156,13 @@ class MirrorPlacement(ChunkedPlacement):
 
     def stage(self, rank, chunk):
         return rank if chunk == 0 else self.ranks - 1 - rank
+
+    def owner(self, stage):
+        return stage, 0
+
+    def holders(self, stage):
+        """Every rank holding a copy of model stage `stage`."""
+        return {stage, self.ranks - 1 - stage}
 
     def chunk_size(self, rank, chunk):
         return 1.0  # each copy of a stage is a full 1/p of the model

@@ -6,6 +6,7 @@
                        mirror placements), local hand-over, one communicator per message kind
     weight_grad.py     the Linear whose weight gradients a W pass computes later
     receive_ahead.py   receives posted ahead per channel, in the order of the step's instructions
+    messages.py        what passes between stages: one tensor or a tuple, its shapes, its gradients
     pipe_module.py     LayerPipe: block-aligned activation checkpointing, balanced partitions
     chunked_module.py  ChunkedPipelineModule: several model chunks per rank
 

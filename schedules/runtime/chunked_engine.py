@@ -21,6 +21,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+from schedules.runtime import messages
 from schedules.runtime.split_engine import SplitBackwardEngine
 
 
@@ -37,7 +38,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self._handover = {}            # slot -> activation handed from the upstream chunk on this rank
         self._nbuf = 1
         everyone = list(range(dist.get_world_size()))
-        self._channel = {'act': dist.new_group(everyone), 'grad': dist.new_group(everyone)}
+        self._channel = {'act': self._new_group(everyone), 'grad': self._new_group(everyone)}
         self._mirror = any(self.placement.direction(c) == 1 for c in range(self.placement.chunks))
         if self._mirror:
             self._mirror_group, self._loss_group = self._mirror_groups()
@@ -117,14 +118,14 @@ class ChunkedEngine(SplitBackwardEngine):
             SplitBackwardEngine._exec_forward_pass(self, slot)
         if down is not None and down[0] == self.stage_id:  # the next stage is here: hand the output over
             out = self.pipe_buffers['outputs'][slot]
-            self._handover[self._slot(buffer_id, down[1])] = out.detach().requires_grad_(torch.is_grad_enabled())
+            self._handover[self._slot(buffer_id, down[1])] = messages.as_input(out, torch.is_grad_enabled())
 
     def _run_backward_input(self, buffer_id, chunk, fused=False):
         slot = self._slot(buffer_id, chunk)
         down = self._peer(chunk, +1)
         if down is not None and down[0] == self.stage_id:  # the gradient comes from the chunk after, here
             below = self._slot(buffer_id, down[1])
-            self._grads[slot] = self.pipe_buffers['inputs'][below].grad
+            self._grads[slot] = messages.input_grads(self.pipe_buffers['inputs'][below])
             self.pipe_buffers['inputs'][below] = None
         with self._in_chunk(chunk):
             if fused:
@@ -152,18 +153,32 @@ class ChunkedEngine(SplitBackwardEngine):
         for dp in range(self.grid.data_parallel_size):
             to_global = lambda stage: self.grid.topology().get_rank(pipe=stage, data=dp)  # noqa: E731
             for r in range(p // 2):
-                group = dist.new_group([to_global(r), to_global(p - 1 - r)])
+                group = self._new_group([to_global(r), to_global(p - 1 - r)])
                 if dp == self.grid.get_data_parallel_id() and self.stage_id in (r, p - 1 - r):
                     mine = group
-            group = dist.new_group([to_global(0), to_global(p - 1)])
+            group = self._new_group([to_global(0), to_global(p - 1)])
             if dp == self.grid.get_data_parallel_id() and self.stage_id in (0, p - 1):
                 loss = group
         return mine, loss
 
+    def _new_group(self, ranks):
+        """A communicator with the default group's timeout (deepspeed.init_distributed(timeout=...), train.py's
+        --dist-timeout): without it, torch gives a new group its own default, 30 minutes on gloo, and a
+        stalled peer would hold this rank that long."""
+        default = dist.distributed_c10d._get_default_group()
+        try:
+            timeout = default._get_backend(self.device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options: torch's default
+            timeout = None
+        return dist.new_group(ranks, timeout=timeout)
+
     def _exec_reduce_grads(self):
         if self._mirror:  # each copy of a stage gets the sum of both copies' gradients, so they stay equal
             chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
-            params = [p for c in chunks for p in self.module.chunk_parameters(c) if p.requires_grad]
+            # tied parameters: DeepSpeed's ReduceTiedGrads already summed them over every rank that holds a copy
+            tied = self.module.tied_parameter_ids()
+            params = [p for c in chunks for p in self.module.chunk_parameters(c)
+                      if p.requires_grad and id(p) not in tied]
             grads = [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
             flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
                               for p, g in zip(params, grads)])
@@ -213,8 +228,8 @@ class ChunkedEngine(SplitBackwardEngine):
 
     def _run_send_grads(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
-        self._isend(self.pipe_buffers['inputs'][slot].grad, self._rank_of(self._peer(chunk, -1)),
-                     group=self._channel['grad'])
+        self._send(messages.input_grads(self.pipe_buffers['inputs'][slot]), self._rank_of(self._peer(chunk, -1)),
+                   group=self._channel['grad'])
         self.pipe_buffers['inputs'][slot] = None
 
     def _run_recv_grads(self, buffer_id, chunk):

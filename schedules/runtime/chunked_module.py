@@ -11,7 +11,21 @@ With the mirror placement every stage exists twice (rank r's chunk 0 and rank p-
 built from the same per-layer seeds, so the copies start identical. The second copy's
 parameters are marked `ds_pipe_replicated`, which DeepSpeed's gradient-norm code skips, so
 clipping counts each parameter once; checkpoints save the first copy only.
+
+Tied layers (`TiedLayerSpec`): a rank builds a tied module once, whichever of its chunks use it;
+DeepSpeed groups the ranks that hold it through `stage_owner`, answered here per model stage.
+On the mirror placement the tied module's ranks hold both copies' uses, so DeepSpeed's tied
+all-reduce already sums them all: the engine leaves tied parameters out of the mirror sum, and
+DeepSpeed marks them replicated on all but one of their ranks.
+
+Activation checkpointing follows DeepSpeed's rules (`checkpointable_layers`, else any layer with
+parameters) per chunk, unless the model asks for block-aligned groups (`checkpointable`).
 """
+import functools
+
+import torch.nn as nn
+from deepspeed.pipe import TiedLayerSpec
+
 from schedules.runtime.pipe_module import LayerPipe
 
 
@@ -31,11 +45,32 @@ class ChunkedPipelineModule(LayerPipe):
             self.num_stages = ranks
         self.chunk_bounds = [(self.parts[s], self.parts[s + 1])
                              for s in (self.placement.stage(self.stage_id, c) for c in range(self.placement.chunks))]
-        for start, stop in self.chunk_bounds:
-            if start == stop:
-                raise ValueError(f"a model stage of {self.placement.num_model_stages} got no layer: the model has "
-                                 f"{len(self._layer_specs)} layers; use fewer --pipeline-parallel-size or a deeper "
-                                 f"model")
+        if any(self.parts[s] == self.parts[s + 1] for s in range(self.placement.num_model_stages)):
+            # every rank sees the same cut, so every rank refuses it (none waits on a peer that failed)
+            raise ValueError(f"a model stage of {self.placement.num_model_stages} got no layer: the model has "
+                             f"{len(self._layer_specs)} layers; use fewer --pipeline-parallel-size or a deeper "
+                             f"model")
+
+    def _model_stage(self, layer_idx):
+        stages = range(self.placement.num_model_stages)
+        return next(s for s in stages if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def stage_owner(self, layer_idx):
+        """The rank holding layer `layer_idx` (of the first copy, on the mirror placement): DeepSpeed
+        groups the ranks of tied layers with it."""
+        return self.placement.owner(self._model_stage(layer_idx))[0]
+
+    def _index_tied_modules(self):
+        if hasattr(self.placement, 'holders'):  # the mirror: DeepSpeed's tied group must hold every copy
+            for key in sorted({s.key for s in self._layer_specs if isinstance(s, TiedLayerSpec)}):
+                stages = {self._model_stage(i) for i, s in enumerate(self._layer_specs)
+                          if isinstance(s, TiedLayerSpec) and s.key == key}
+                owners = {self.placement.owner(s)[0] for s in stages}
+                if set().union(*(self.placement.holders(s) for s in stages)) != owners:
+                    raise ValueError(f"tied layers '{key}' on model stages {sorted(stages)}: dualpipe's mirror "
+                                     f"placement needs a tied module's stages to mirror each other (e.g. the first "
+                                     f"and the last stage), so that one group of ranks holds all its copies")
+        return super()._index_tied_modules()
 
     def _build(self):
         self.chunk_funcs = []
@@ -44,19 +79,37 @@ class ChunkedPipelineModule(LayerPipe):
             self.forward_funcs = []
             super()._build()
             self.chunk_funcs.append(self.forward_funcs)
-            if self.placement.direction(c) == 1:  # the mirror's second copy
-                for layer in self.forward_funcs:
-                    for p in getattr(layer, 'parameters', lambda: [])():
+            if self.placement.direction(c) == 1:  # the mirror's second copy (tied modules: DeepSpeed marks them)
+                tied = self.tied_parameter_ids()
+                for p in self.chunk_parameters(c):
+                    if id(p) not in tied:
                         p.ds_pipe_replicated = True
+        self.chunk_checkpointable = [[] for _ in self.chunk_funcs]
         self.activate_chunk(0)
 
     def activate_chunk(self, chunk):
         self.active_chunk = chunk
         self.forward_funcs = self.chunk_funcs[chunk]
+        self.is_checkpointable_results = self.chunk_checkpointable[chunk]
         self._local_start, self._local_stop = self.chunk_bounds[chunk]
 
+    def _precompute_checkpointable_values(self):
+        for c in range(len(self.chunk_funcs)):  # per chunk: DeepSpeed caches one list per interval
+            self.activate_chunk(c)
+            self.is_checkpointable_results_interval = None
+            super()._precompute_checkpointable_values()
+            self.chunk_checkpointable[c] = self.is_checkpointable_results
+        self.activate_chunk(0)
+
     def chunk_parameters(self, chunk):
-        return [p for layer in self.chunk_funcs[chunk] for p in getattr(layer, 'parameters', lambda: [])()]
+        """The parameters chunk `chunk` uses, each once (a tied module's included)."""
+        # a TiedLayerSpec with forward_fn runs as partial(forward_fn, tied module)
+        layers = [f.args[0] if isinstance(f, functools.partial) else f for f in self.chunk_funcs[chunk]]
+        params = [p for layer in layers if isinstance(layer, nn.Module) for p in layer.parameters()]
+        return list({id(p): p for p in params}.values())
+
+    def tied_parameter_ids(self):
+        return {id(p) for p in self.tied_modules.parameters()}
 
     def _saved_chunks(self):
         return [c for c in range(self.placement.chunks) if self.placement.direction(c) != 1]

@@ -43,10 +43,11 @@ class _Sequence:
 
 
 class LayerPipe(PipelineModule):
-    """PipelineModule whose activation checkpointing groups start at each stage's first block.
+    """PipelineModule whose activation checkpointing groups can start at each stage's first block.
 
     `checkpointable` (a class attribute, or a keyword argument) names the layer classes worth
-    checkpointing.
+    checkpointing, grouped by `run_layers`; without it, DeepSpeed's own forward and grouping run
+    (`checkpointable_layers`, by class name, or every layer with parameters).
     """
     checkpointable: tuple = ()
 
@@ -70,6 +71,8 @@ class LayerPipe(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def forward(self, x):
+        if not self.checkpointable:
+            return super().forward(x)
         interval = self.activation_checkpoint_interval
         if interval > 0 and isinstance(x, tuple) and len(x) == 1:
             x = x[0]

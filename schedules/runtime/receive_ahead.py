@@ -10,9 +10,10 @@ sender write the data straight away, and the receiver finds it there.
 The order comes from the schedule itself: at the start of a step the engine lists its receive
 instructions, mapped to (channel, stream). A channel (source rank, communicator) delivers its
 messages in posting order, so its next receive is always the next entry of its list; a stream
-(activations or gradients of one chunk) has one tensor shape, learnt from its first receive. A
-receive is posted ahead only once its stream's shape is known, and never more than one per
-channel, so at most one extra tensor per channel is allocated early.
+(activations or gradients of one chunk) has one message spec (one tensor or a tuple of them, see
+messages.py), learnt from its first receive. A receive is posted ahead only once its stream's spec
+is known, and never more than one per channel, so at most one extra message per channel is
+allocated early.
 
 gloo only: NCCL runs a pair of ranks' sends and receives in posting order on one stream, so a
 receive posted ahead would hold up the sends posted after it (and the wake-up cost it avoids is a
@@ -20,17 +21,20 @@ gloo one). Disabled, every receive is posted when its instruction runs.
 """
 from collections import deque
 
-import torch
 from deepspeed import comm as dist
+
+from schedules.runtime import messages
 
 
 class ReceiveAhead:
 
-    def __init__(self, device, enabled=True):
-        self.device, self.enabled = device, enabled
-        self.specs = {}   # stream -> (dtype, shape) of its tensors, from its first receive
+    def __init__(self, device, enabled=True, same_spec=True):
+        """`same_spec=False` (PipelineModule(dynamic_shape=True)): every message brings its own spec, so
+        none is remembered and nothing can be posted ahead."""
+        self.device, self.enabled, self.same_spec = device, enabled and same_spec, same_spec
+        self.specs = {}   # stream -> the spec of its messages (messages.spec_of), from its first receive
         self.plan = {}    # channel -> deque of the streams still to arrive on it this step, in order
-        self.posted = {}  # channel -> (stream, tensor, work) of the receive posted ahead
+        self.posted = {}  # channel -> (stream, message, works) of the receive posted ahead
 
     def start(self, receives):
         """A new step whose receives are `receives`: (channel, stream) in instruction order, an
@@ -42,10 +46,10 @@ class ReceiveAhead:
             self._post_next(channel)
 
     def receive(self, channel, stream, first_recv):
-        """The next tensor of `stream` on `channel`: the one posted ahead, else received now;
-        `first_recv()` receives a stream's first tensor (and learns its shape however it must)."""
+        """The next message of `stream` on `channel`: the one posted ahead, else received now;
+        `first_recv()` receives a stream's first message (and learns its spec however it must)."""
         if channel in self.posted:
-            ahead, x, work = self.posted.pop(channel)
+            ahead, x, works = self.posted.pop(channel)
             if ahead != stream:
                 raise RuntimeError(f"receive of {stream} from rank {channel[0]}, but the schedule's next receive "
                                    f"on that channel is {ahead}")
@@ -57,20 +61,21 @@ class ReceiveAhead:
                                        f"receive on that channel is {queue[0]}")
                 queue.popleft()
             if stream in self.specs:
-                x, work = self._irecv(channel, stream)
+                x, works = self._irecv(channel, stream)
             else:
-                x, work = first_recv(), None
-                self.specs[stream] = (x.dtype, tuple(x.shape))
-        if work is not None:
+                x, works = first_recv(), ()
+                if not self.same_spec:
+                    return x
+                self.specs[stream] = messages.spec_of(x)
+        for work in works:
             work.wait()
         self._post_next(channel)
-        return x
+        return messages.restore(x, self.specs[stream])
 
     def _irecv(self, channel, stream):
-        dtype, shape = self.specs[stream]
-        x = torch.empty(shape, dtype=dtype, device=self.device)
+        x = messages.empty(self.specs[stream], self.device)
         src, group = channel
-        return x, dist.irecv(x, src, group=group)
+        return x, [dist.irecv(t, src, group=group) for t in messages.tensors(x)]
 
     def _post_next(self, channel):
         queue = self.plan.get(channel)

@@ -26,6 +26,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
+from schedules.runtime import messages
 from schedules.runtime.receive_ahead import ReceiveAhead
 from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
@@ -41,7 +42,8 @@ class SplitBackwardEngine(PipelineEngine):
         self._grads = {}                         # buffer_id -> received output gradient
         self._sends = []                         # (work, tensor) of sends in flight
         self._shape_sent = set()                 # activation streams whose shape went out
-        self._ahead = ReceiveAhead(self.device, enabled=torch.distributed.get_backend() == 'gloo')
+        self._ahead = ReceiveAhead(self.device, enabled=torch.distributed.get_backend() == 'gloo',
+                                   same_spec=not self.module.dynamic_shape)
 
     def _train_schedule(self):
         return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -108,20 +110,18 @@ class SplitBackwardEngine(PipelineEngine):
     _exec_backward_pass = _exec_stock_backward
 
     # --- point to point -------------------------------------------------------------------
-    # Activations go out with isend; the first one of each stream is preceded by its shape
+    # A message is one tensor or a tuple of them (messages.py). Activations go out with isend; the
+    # first message of each stream is preceded by its spec, every message with dynamic_shape
     # (asynchronous too: two ranks that both send first must not wait for each other).
-    _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-    def _send_activation(self, tensor, dst, stream, group=None):
-        if stream not in self._shape_sent:
+    def _send_activation(self, message, dst, stream, group=None):
+        if self.module.dynamic_shape or stream not in self._shape_sent:
             self._shape_sent.add(stream)
-            meta = torch.zeros(8, dtype=torch.long)
-            meta[0], meta[1] = self._DTYPES.index(tensor.dtype), tensor.dim()
-            meta[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-            meta = meta.to(self.device)  # NCCL sends device tensors only
-            self._sends.append((dist.isend(meta, dst, group=group), meta))
-        tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, dst, group=group), tensor))
+            self._isend(messages.encode(message, self.device), dst, group)
+        self._send(message, dst, group)
+
+    def _send(self, message, dst, group=None):
+        for tensor in messages.tensors(message):
+            self._isend(messages.wire(tensor), dst, group)
 
     def _source(self, kind, chunk):
         """(rank, communicator) that `chunk`'s activations ('act') or output gradients ('grad') come from."""
@@ -130,17 +130,18 @@ class SplitBackwardEngine(PipelineEngine):
     def _recv_activation(self, chunk=0):
         src, group = channel = self._source('act', chunk)
 
-        def first():  # the stream's shape comes ahead of its first tensor
-            meta = torch.zeros(8, dtype=torch.long, device=self.device)
+        def first():  # the stream's spec comes ahead of its first message
+            meta = torch.zeros(messages.META_SIZE, dtype=torch.long, device=self.device)
             dist.recv(meta, src, group=group)
-            meta = meta.cpu()
-            x = torch.empty(tuple(meta[2:2 + int(meta[1])].tolist()), dtype=self._DTYPES[int(meta[0])],
-                            device=self.device)
-            dist.recv(x, src, group=group)
-            return x
+            return self._recv(messages.decode(meta), src, group)
 
-        x = self._ahead.receive(channel, ('act', chunk), first)
-        return x.requires_grad_(torch.is_grad_enabled())
+        return messages.as_input(self._ahead.receive(channel, ('act', chunk), first), torch.is_grad_enabled())
+
+    def _recv(self, spec, src, group=None):
+        message = messages.empty(spec, self.device)
+        for tensor in messages.tensors(message):
+            dist.recv(tensor, src, group=group)
+        return messages.restore(message, spec)
 
     def _isend(self, tensor, dst, group=None):
         self._sends.append((dist.isend(tensor, dst, group=group), tensor))
@@ -152,8 +153,6 @@ class SplitBackwardEngine(PipelineEngine):
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers['outputs'][buffer_id]
-        if not torch.is_tensor(outputs):
-            raise NotImplementedError("split-backward schedules pass one tensor between stages")
         self._send_activation(outputs, self.grid.stage_to_global(stage_id=self.next_stage), stream=0)
 
     def _exec_recv_activations(self, buffer_id):
@@ -161,7 +160,7 @@ class SplitBackwardEngine(PipelineEngine):
 
     def _exec_send_grads(self, buffer_id):
         inputs = self.pipe_buffers['inputs'][buffer_id]
-        self._isend(inputs.grad, self.grid.stage_to_global(stage_id=self.prev_stage))
+        self._send(messages.input_grads(inputs), self.grid.stage_to_global(stage_id=self.prev_stage))
         self.pipe_buffers['inputs'][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id):
@@ -173,10 +172,8 @@ class SplitBackwardEngine(PipelineEngine):
     def _recv_grad(self, slot, chunk=0):
         src, group = channel = self._source('grad', chunk)
 
-        def first():
-            grad = torch.empty_like(self.pipe_buffers['outputs'][slot])
-            dist.recv(grad, src, group=group)
-            return grad
+        def first():  # the gradients of the floating tensors sent: their spec is known here
+            return self._recv(messages.grad_spec(self.pipe_buffers['outputs'][slot]), src, group)
 
         self._grads[slot] = self._ahead.receive(channel, ('grad', chunk), first)
 

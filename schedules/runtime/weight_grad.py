@@ -2,16 +2,27 @@
 
 A linear layer's backward is two matrix multiplies: grad_input = grad_out @ weight, which the
 previous pipeline stage is waiting for, and grad_weight = grad_out^T @ input, which nobody
-needs until the optimizer step. `Linear` below is an `nn.Linear` whose backward, inside
-`defer_weight_grads()`, computes only the first and queues the second; the engine runs the
-queue later as the W pass (`apply_weight_grads`). Outside that context it is an ordinary
-linear layer, so the models use it unconditionally.
+needs until the optimizer step. Inside `defer_weight_grads()` a deferrable layer's backward
+computes only the first and queues the second; the engine runs the queue later as the W pass
+(`apply_weight_grads`). Outside that context it computes both at once, as usual.
+
+Deferrable layers:
+- `torch.nn.Linear` and its subclasses that keep nn.Linear's forward: `make_deferrable(model)`
+  (which `schedules.initialize` calls for the schedules that split the backward) gives each of
+  them a deferrable forward, in place: same class, parameter names, state_dict keys and
+  checkpoints. `Linear` below is an nn.Linear that is deferrable from the start.
+- Any other layer: make its forward an autograd Function whose backward returns the input
+  gradient now and hands its weight-gradient work to `defer_or_compute(work, ...)`, where `work`
+  has `gradients()`: [(parameter, function computing that parameter's gradient)] and holds only
+  what those functions need (see `DeferredLinearGrad`, and `_LinearFunction` for the pattern).
 
 Between B and W a micro-batch keeps only what the queued work needs (each linear layer's input
 and output gradient): the rest of its autograd graph is freed by B as usual. Parameters of other
-layers (embeddings, LayerNorm) get their gradients in B.
+layers (embeddings, LayerNorm) get their gradients in B. `counts` tells how many parameter
+gradients were deferred and how many computed at once (the engines report the share).
 """
 import contextlib
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -19,6 +30,7 @@ import torch.nn.functional as F
 
 _queue = None  # the list that Linear backward appends to while deferral is on, else None
 _holders = []  # memory trackers told what queued work keeps alive (schedules/observe/memory.py)
+counts = Counter()  # 'deferred' / 'immediate': parameter gradients of deferrable layers, queued or computed at once
 
 
 def register_holder(holder):
@@ -112,16 +124,45 @@ class _LinearFunction(torch.autograd.Function):
         want_b = ctx.bias is not None and ctx.needs_input_grad[2]
         work = DeferredLinearGrad(weight if ctx.needs_input_grad[1] else None, ctx.bias if want_b else None,
                                   x, grad_out)
-        if _queue is not None and (work.weight is not None or work.bias is not None):
-            work._tokens = [h.hold(x, grad_out) for h in _holders]
-            _queue.append(work)
-            return grad_x, None, None
-        grads = {id(p): compute() for p, compute in work.gradients()}
+        grads = defer_or_compute(work, x, grad_out)
         return grad_x, grads.get(id(weight)), grads.get(id(ctx.bias))
+
+
+def defer_or_compute(work, *kept):
+    """In a deferring backward (B), queue `work` for the W pass and return {}; else compute its
+    gradients now: {id(parameter): gradient}. `kept` are the tensors the work holds (memory trackers count them)."""
+    gradients = work.gradients()
+    if _queue is not None and gradients:
+        work._tokens = [h.hold(*kept) for h in _holders]
+        _queue.append(work)
+        counts['deferred'] += len(gradients)
+        return {}
+    counts['immediate'] += len(gradients)
+    return {id(p): compute() for p, compute in gradients}
+
+
+def _deferrable_linear_forward(self, x):
+    return _LinearFunction.apply(x, self.weight, self.bias)
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight (and bias) gradients can be deferred to a W pass."""
 
-    def forward(self, x):
-        return _LinearFunction.apply(x, self.weight, self.bias)
+    forward = _deferrable_linear_forward
+
+
+def make_deferrable(module):
+    """Give every torch.nn.Linear in `module` that keeps nn.Linear's own forward a deferrable one, in
+    place (an instance attribute: class, names, state_dict and checkpoints unchanged).
+    Returns (deferrable layers, their trainable parameter elements, all trainable parameter elements)."""
+    layers = elements = 0
+    for m in module.modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        if type(m).forward in (nn.Linear.forward, _deferrable_linear_forward):
+            if type(m).forward is nn.Linear.forward and 'forward' not in vars(m):
+                m.forward = _deferrable_linear_forward.__get__(m)
+            layers += 1
+            elements += sum(p.numel() for p in m.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return layers, elements, total
