@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 import schedules
+from schedules.registry import SCHEDULES
 
 VOCAB, WIDTH, TOKENS = 64, 64, 16
 
@@ -63,7 +64,7 @@ def micro_batches(size, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="zb-v", help="any of: " + ", ".join(schedules.registry.SCHEDULES))
+    parser.add_argument("--schedule", default="zb-v", help="any of: " + ", ".join(SCHEDULES))
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--depth", type=int, default=8, help="blocks")

@@ -65,3 +65,11 @@ def test_tied_model_with_clipping_biting_and_checkpointing_by_class_name():
     for r in results:
         assert all(norm > 0.05 for norm in r["grad_norms"]), r["schedule"]  # the clipping changed both steps
         assert all(n > 0 for n in r["checkpointed"]), (r["schedule"], r["checkpointed"])
+
+
+def test_the_readme_example_trains():
+    """examples/own_model.py, the README's library section, runs and learns (2 ranks, ZB-V)."""
+    done = launch(2, ["--schedule", "zb-v", "--steps", "10"], script="examples/own_model.py", timeout=300)
+    assert done.ok, done.explain()
+    losses = [float(line.rsplit(" ", 1)[1]) for line in done.stdout[0].splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], losses
