@@ -6,8 +6,9 @@ For each schedule, in one process group: `schedules.pipeline_module(...)` over t
 `schedules.initialize(...)` with plain SGD, two `train_batch` steps of M micro-batches; then every rank's
 layers are gathered on rank 0 and compared with the same layers run one after the other in one process
 (same seeds, same micro-batches, the loss averaged over them, SGD, clipping over each parameter once).
-Rank 0 prints one JSON line per schedule: the largest loss and weight differences, and on every rank the
-share of the deferrable layers' weight gradients that W passes computed.
+Then one `eval_batch` on the trained weights, against the reference's forward. Rank 0 prints one JSON line
+per schedule: the largest loss and weight differences, and on every rank the share of the deferrable
+layers' weight gradients that W passes computed.
 """
 import argparse
 import functools
@@ -71,25 +72,33 @@ def reference(specs):
     return funcs, tied
 
 
+def forward(funcs, x):
+    for f in funcs:
+        x = f(x)
+    return x
+
+
 def train_reference(specs, loss_fn, batches, clip):
     funcs, tied = reference(specs)
     modules = [f for f in funcs if isinstance(f, nn.Module)] + list(tied.values())
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=LR)
     losses, norms = [], []
-    for step in batches:
+    for step in batches[:2]:
         opt.zero_grad()
         total = 0.0
         for x, y in step:
-            for f in funcs:
-                x = f(x)
-            loss = loss_fn(x, y) / len(step)
+            loss = loss_fn(forward(funcs, x), y) / len(step)
             loss.backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")).item())
         opt.step()
         losses.append(total)
-    return losses, norms, layer_state(specs, [(funcs, 0)], tied)
+    val = None
+    if len(batches) > 2:  # the evaluation step: the mean loss of its micro-batches, forward only
+        with torch.no_grad():
+            val = sum(loss_fn(forward(funcs, x), y).item() for x, y in batches[2]) / len(batches[2])
+    return losses, norms, layer_state(specs, [(funcs, 0)], tied), val
 
 
 def run(name, args, batches, p):
@@ -108,7 +117,8 @@ def run(name, args, batches, p):
     inner = engine.module.activation_checkpoint_func
     engine.module.activation_checkpoint_func = lambda *a, **k: checkpointed.append(1) or inner(*a, **k)
     before = dict(weight_grad.counts)
-    losses = [engine.train_batch(iter(step)).item() for step in batches]
+    losses = [engine.train_batch(iter(step)).item() for step in batches[:2]]
+    val_loss = engine.eval_batch(iter(batches[2])).item()  # forward only, on the trained weights
     deferred = weight_grad.counts["deferred"] - before.get("deferred", 0)
     immediate = weight_grad.counts["immediate"] - before.get("immediate", 0)
     share = deferred / (deferred + immediate) if deferred + immediate else None
@@ -119,11 +129,12 @@ def run(name, args, batches, p):
     if dist.get_rank() != 0:
         return None
     state = {k: v for part, _, _ in gathered for k, v in part.items()}
-    ref_losses, norms, ref_state = train_reference(module._layer_specs, loss_fn, batches, args.clip)
-    _, _, initial = train_reference(module._layer_specs, loss_fn, [], args.clip)
+    ref_losses, norms, ref_state, ref_val = train_reference(module._layer_specs, loss_fn, batches, args.clip)
+    _, _, initial, _ = train_reference(module._layer_specs, loss_fn, [], args.clip)
     missing = sorted(set(ref_state) ^ set(state))
     weight_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state if k in state)
-    return {"schedule": name, "losses": losses, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+    return {"schedule": name, "losses": losses, "val_loss_diff": abs(val_loss - ref_val),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "weight_diff": weight_diff, "missing": missing, "shares": [s for _, s, _ in gathered],
             "checkpointed": [n for _, _, n in gathered],
             "moved": max((ref_state[k] - initial[k]).abs().max().item() for k in ref_state), "grad_norms": norms}
@@ -141,7 +152,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     p, m = dist.get_world_size(), args.micro_batches
     batch = MODELS[args.model][2]
-    batches = [[batch(step * m + j) for j in range(m)] for step in range(2)]
+    batches = [[batch(step * m + j) for j in range(m)] for step in range(3)]  # two to train, one to evaluate
     for name in args.schedules:
         result = run(name, args, batches, p)
         if result is not None:

@@ -3,7 +3,7 @@ PipelineModule layer list. Each entry of MODELS gives the layers as
 LayerSpecs / TiedLayerSpecs, seeded by DeepSpeed (`seed_layers`), so every rank and the single-process
 reference build the same initial weights: plain nn.Linear layers (mlp), a tied input/output embedding
 (tied), a tuple with an int64 mask between stages (masked), a sequence length that changes from one
-micro-batch to the next (dynamic).
+micro-batch to the next (dynamic), convolutions (conv).
 """
 import torch
 import torch.nn as nn
@@ -81,6 +81,19 @@ def token_batch(index):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def conv():
+    """A small conv net: 4 x (Conv2d 3x3, ReLU), flatten, a Linear classifier."""
+    layers = [LayerSpec(nn.Conv2d, 3, 8, 3, padding=1), LayerSpec(nn.ReLU)]
+    for _ in range(3):
+        layers += [LayerSpec(nn.Conv2d, 8, 8, 3, padding=1), LayerSpec(nn.ReLU)]
+    return layers + [LayerSpec(nn.Flatten), LayerSpec(nn.Linear, 8 * 6 * 6, 10)]
+
+
+def image_batch(index):
+    g = torch.Generator().manual_seed(3000 + index)
+    return torch.randn(MICRO_BATCH, 3, 6, 6, generator=g), torch.randint(0, 10, (MICRO_BATCH, ), generator=g)
+
+
 def varying_token_batch(index):
     """Micro-batches of 4, 5 or 6 tokens: a different sequence length from one micro-batch to the next."""
     tokens, labels = token_batch(index)
@@ -97,4 +110,5 @@ MODELS = {  # name: (layers, loss, micro-batch of an index, PipelineModule argum
     "tied": (tied, cross_entropy, token_batch, {}),
     "masked": (masked, cross_entropy, token_batch, {}),
     "dynamic": (tied, cross_entropy, varying_token_batch, {"dynamic_shape": True}),
+    "conv": (conv, F.cross_entropy, image_batch, {}),
 }
