@@ -25,6 +25,8 @@ def rows(stages, micro_batches, latency=0.0):
         row = {'schedule': name, 'idle_time': None, 'idle_time_synced': None, 'peak_activation_memory': None,
                'params_per_rank': None, 'per_rank': None, 'units': 'F', 'error': None}
         try:
+            if stages < 2 and name != '1f1b':  # as train.py: one stage is DeepSpeed's 1F1B or no pipeline
+                raise ValueError(f'{name} needs --stages >= 2')
             result = simulate(name, stages, micro_batches, latency=latency)
         except ValueError as e:  # the schedule's constraints exclude this P and M
             row['error'] = str(e)
@@ -59,6 +61,11 @@ def main():
     parser.add_argument('--latency', type=float, default=0.0, help='cost of one p2p message, in forward units')
     parser.add_argument('--json', action='store_true', help='print a JSON list instead of a table')
     args = parser.parse_args()
+    for flag, value, least in (('--stages', args.stages, 1), ('--micro-batches', args.micro_batches, 1),
+                               ('--latency', args.latency, 0)):
+        if value < least:  # one line, as train.py says it
+            print(f'error: {flag} {value} is below {least}: pass {flag} N with N >= {least}', file=sys.stderr)
+            sys.exit(2)
     table = rows(args.stages, args.micro_batches, args.latency)
     if args.json:
         print(json.dumps(table, indent=1))

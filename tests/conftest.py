@@ -14,6 +14,16 @@ def _multiprocess_tests_are_marked(request, monkeypatch):
         monkeypatch.setattr(local_launch, "free_port", refuse)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _launches_leave_no_shared_memory():
+    """No launch of the session left DeepSpeed's shared-memory buffers in /dev/shm (local_launch removes
+    those of each launch's port, whatever became of its ranks)."""
+    yield
+    import local_launch
+    left = [path for port in local_launch.PORTS for path in local_launch.shm_buffers(port)]
+    assert not left, f"launches left shared memory behind: {left}"
+
+
 @pytest.fixture(scope="session")
 def sgd_config(tmp_path_factory):
     """sgd_config(zero=1, clip=0.0): a ds_config.json for the equivalence tests (tests/training.py)."""

@@ -52,3 +52,36 @@ def assert_same_training(result, reference):
         assert diff < TOL, f"{name}: differs from the non-pipelined run by {diff:.2e}"
     for name, copy in mirror.items():  # DualPipe: the two copies of each stage stay equal
         assert torch.equal(copy, weights[name]), f"{name}: the mirrored copies differ"
+
+
+def run_in_process(argv, monkeypatch, capsys, world=1, env=None):
+    """`train.py ARGV` as rank 0 of `world` ranks, in this process, up to where ranks would start
+    waiting on each other: (exit status, what it printed on stderr, seconds).
+
+    Bad input is refused before `init_distributed`, on every rank alike, so one process sees what
+    each rank of a real launch would; reaching `init_distributed` fails the test.
+    """
+    import time
+
+    import train
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), **(env or {})}.items():
+        monkeypatch.setenv(key, value)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"train.py {' '.join(map(str, argv))}: passed validation")
+    monkeypatch.setattr(train, "init_distributed", refuse)
+    capsys.readouterr()
+    began = time.monotonic()
+    with pytest.raises(SystemExit) as exit:
+        train.run([str(a) for a in argv])
+    return exit.value.code, capsys.readouterr().err, time.monotonic() - began
+
+
+def assert_one_error_line(status, stderr, expected, others=()):
+    """Exit status 2, exactly one line on rank 0's stderr, `error: ...` containing `expected`, no
+    traceback; `others`: the other ranks' stderr, silent."""
+    assert status == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], stderr
+    for err in others:
+        assert "error" not in err and "Traceback" not in err, err
