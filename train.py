@@ -10,26 +10,23 @@ micro-batches; the non-pipelined path runs forward / `engine.backward` / `engine
 very same micro-batches, so both report the same losses for the same seed.
 
 Failures end in one `error:` line from rank 0: bad input (exit status 2) is found by `validate()`
-before any process waits on another; what only one rank can see (a damaged checkpoint file) and
-faults (a rank killed or stalled: exit status 1) reach rank 0 through `Peers`.
+(validation.py) before any process waits on another; what only one rank can see (a damaged
+checkpoint file, checkpoints.py) and faults (a rank killed or stalled: exit status 1) reach rank 0
+through `Peers` (faults.py).
 """
 import argparse
 import json
 import os
-import re
 import socket
 import sys
-import threading
 import time
 from datetime import timedelta
 
+from checkpoints import NamedFiles, check_resume, load_checkpoint, run_record, save_checkpoint
+from faults import Fault, Peers, UsageError, one_line
+from validation import validate
 
-class UsageError(Exception):
-    """Bad flags, config, launch or checkpoint: printed as one line by rank 0, exit status 2."""
-
-
-class Fault(Exception):
-    """A failure that is not bad input, already said in one line: printed by rank 0, exit status 1."""
+PEERS = None  # set once the process group is up, for more than one rank
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,320 +150,6 @@ def build_optimizer(cfg: dict, params):
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation: every flag and the merged config, before any process waits on another
-# ---------------------------------------------------------------------------------------------
-def validate(args, cfg, world: int, on_cpu: bool):
-    """Refuse bad input with a UsageError naming the flag (or config key) and the fix.
-
-    Every rank runs this on the same flags, config and files before `init_distributed`, so every
-    rank reaches the same verdict and none is left waiting on a peer that gave up. Returns the
-    checkpoint to resume from, `(tag, what it was trained with)`, or None.
-    """
-    def need(ok, message):
-        if not ok:
-            raise UsageError(message)
-
-    for flag, value, least in (("--steps", args.steps, 1), ("--micro-batch-size", args.micro_batch_size, 1),
-                               ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
-                               ("--eval-interval", args.eval_interval, 0), ("--eval-batches", args.eval_batches, 1),
-                               ("--log-interval", args.log_interval, 1), ("--save-interval", args.save_interval, 0),
-                               ("--trace-steps", args.trace_steps, 1), ("--dist-timeout", args.dist_timeout, 1),
-                               ("--activation-checkpoint-interval", args.activation_checkpoint_interval, 0),
-                               ("--n-layer", args.n_layer, 1), ("--deep-width", args.deep_width, 1),
-                               ("--deep-depth", args.deep_depth, 1), ("--pipeline-parallel-size",
-                                                                      args.pipeline_parallel_size, 0)):
-        need(value is None or value >= least, f"{flag} {value} is below {least}: pass {flag} N with N >= {least}")
-    need(0 <= args.dropout < 1, f"--dropout {args.dropout}: pass --dropout P with 0 <= P < 1")
-    need(args.lr is None or args.lr > 0, f"--lr {args.lr}: pass a positive --lr")
-    pp = args.pipeline_parallel_size
-    need(not pp or world % pp == 0, f"--pipeline-parallel-size {pp} must divide the world size {world}: "
-         f"launch a multiple of {pp} processes or change the flag")
-    need(args.virtual_stages is None or args.pipeline_schedule == "interleaved",
-         "--virtual-stages applies to --pipeline-schedule interleaved only")
-    need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
-    need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
-    if args.model == "gptlite":
-        from gptlite import MODEL_SIZES
-        need(args.model_size in MODEL_SIZES,
-             f"--model-size {args.model_size!r} is unknown: choose from {', '.join(MODEL_SIZES)}")
-    _validate_config(cfg, pp, on_cpu, need)
-    _validate_pipeline(args, cfg["gradient_accumulation_steps"], need)
-    for flag, path in (("--metrics-file", args.metrics_file), ("--export", args.export), ("--trace", args.trace)):
-        if path:
-            need(not os.path.isdir(path), f"{flag} {path}: is a directory; pass a file name")
-            need(_creatable(os.path.dirname(os.path.abspath(path))), f"{flag} {path}: cannot create it here "
-                 "(no write permission, or a file stands where a folder should); pass another path")
-    if not args.save_dir:
-        return None
-    need(not os.path.exists(args.save_dir) or os.path.isdir(args.save_dir),
-         f"--save-dir {args.save_dir}: is a file, not a directory; pass a directory")
-    need(_creatable(args.save_dir), f"--save-dir {args.save_dir}: cannot write there; pass another directory")
-    latest = os.path.join(args.save_dir, "latest")
-    if not args.resume:
-        need(not os.path.exists(latest), f"--save-dir {args.save_dir} already holds a checkpoint; pass --resume to "
-             "continue it, or another --save-dir (nothing is overwritten)")
-        return None
-    return _validate_resume(args, cfg, world, need)
-
-
-def _creatable(folder):
-    """Whether `folder` exists as a writable directory or could be created."""
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
-
-
-def _validate_config(cfg, pp, on_cpu, need):
-    """What DeepSpeed would refuse with an assertion on every rank, said up front."""
-    mbs, gas = cfg.get("train_micro_batch_size_per_gpu"), cfg["gradient_accumulation_steps"]
-    need(mbs is not None, "config train_micro_batch_size_per_gpu is missing: set it in --deepspeed_config or pass "
-         "--micro-batch-size N")
-    for key, flag, value in (("train_micro_batch_size_per_gpu", "--micro-batch-size", mbs),
-                             ("gradient_accumulation_steps", "--gradient-accumulation-steps", gas)):
-        need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-             f"config {key} {value!r}: must be an integer >= 1; fix --deepspeed_config or pass {flag} N")
-    zero = cfg.get("zero_optimization", {}).get("stage", 0)
-    need(zero in (0, 1, 2, 3), f"config zero_optimization.stage {zero!r}: must be 0, 1, 2 or 3")
-    need(not (pp and zero >= 2), f"config zero_optimization.stage {zero}: DeepSpeed's pipeline engine supports ZeRO "
-         "stages 0 and 1 only; set zero_optimization.stage to 0 or 1 in --deepspeed_config, or train without a "
-         "pipeline (--pipeline-parallel-size 0)")
-    fp16, bf16 = (cfg.get(k, {}).get("enabled", False) for k in ("fp16", "bf16"))
-    need(not (fp16 and bf16), "config fp16.enabled and bf16.enabled: choose one; set fp16.enabled false for --bf16")
-    need(not (fp16 and on_cpu), "config fp16.enabled: DeepSpeed trains fp16 on GPUs only; on CPU set fp16.enabled "
-         "false in --deepspeed_config (or train in bf16 with --bf16)")
-    need(isinstance(cfg["optimizer"].get("type"), str), "config optimizer.type is missing: set it, or pass "
-         "--optimizer adamw|sgd")
-    if cfg["optimizer"]["type"].lower() == "sgd" and zero and not cfg.get("zero_allow_untested_optimizer"):
-        need(False, f"config zero_optimization.stage {zero} with the SGD optimizer (a torch optimizer, which "
-             "DeepSpeed calls untested): set zero_allow_untested_optimizer true in --deepspeed_config, or "
-             "zero_optimization.stage 0")
-    warmup = cfg.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 1)
-    need(isinstance(warmup, int) and warmup >= 1, f"config scheduler.params.warmup_num_steps {warmup!r}: must be "
-         "an integer >= 1")
-
-
-def layer_types(args):
-    """The class name of every layer of the model, in order: what the pipeline partitions."""
-    if args.model == "deep":
-        return ["DeepBlock"] * args.deep_depth
-    from dataclasses import replace
-
-    import gptlite
-    config = gptlite.MODEL_SIZES[args.model_size]
-    config = replace(config, n_layer=args.n_layer or config.n_layer)
-    return [cls.__name__ for cls, _ in gptlite.layer_specs(config)]
-
-
-def model_stages(args):
-    """How many stages the pipeline cuts the model into: stages x chunks per rank (DualPipe: p)."""
-    from schedules.registry import schedule_spec
-    pp = args.pipeline_parallel_size
-    return schedule_spec(args.pipeline_schedule, args.virtual_stages).placement(pp).num_stages if pp else 0
-
-
-def _validate_pipeline(args, micro_batches, need):
-    """The schedule's own constraints (built once for stage 0) and enough layers for its model stages."""
-    from schedules.registry import schedule_spec
-    name, pp = args.pipeline_schedule, args.pipeline_parallel_size
-    need(name == "1f1b" or pp >= 2, f"--pipeline-schedule {name} needs --pipeline-parallel-size >= 2")
-    if not pp:
-        return
-    try:
-        schedule_spec(name, args.virtual_stages).factory(micro_batches=micro_batches, stages=pp, stage_id=0)
-    except ValueError as e:
-        raise UsageError(f"--pipeline-schedule {name}: {e}") from None
-    method = (args.partition_method or "parameters").lower()
-    types = layer_types(args)
-    need(method in ("parameters", "uniform") or (method.startswith("type:") and method[5:]),
-         f"--partition-method {args.partition_method}: choose parameters, uniform or type:LAYER_CLASS")
-    if method.startswith("type:"):
-        need(any(re.search(method[5:], t, re.IGNORECASE) for t in types), f"--partition-method "
-             f"{args.partition_method} matches "
-             f"no layer of the model (its layer classes: {', '.join(dict.fromkeys(types))})")
-    stages = model_stages(args)
-    # GPTlite's layers: the blocks, the embeddings, the final norm and the head
-    size, least = ("--n-layer", stages - 3) if args.model == "gptlite" else ("--deep-depth", stages)
-    need(len(types) >= stages, f"--pipeline-schedule {name} at --pipeline-parallel-size {pp} cuts the model into "
-         f"{stages} stages, but it has {len(types)} layers: pass {size} {least} or more, or fewer stages")
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: what a run was trained with, written last, compared before loading
-# ---------------------------------------------------------------------------------------------
-RUN_FILE = "run.json"  # in each checkpoint folder, written after every rank's files: a checkpoint is complete
-
-
-def placement(args):
-    """Where the model's stages live: the checkpoint's layer files and optimizer state follow it. Two
-    schedules with the same placement (1f1b, zb-h1, zb-h2; zb-v, dualpipev) resume each other."""
-    from schedules.registry import schedule_spec
-    pp = args.pipeline_parallel_size
-    if not pp:
-        return None
-    spec = schedule_spec(args.pipeline_schedule, args.virtual_stages)
-    where = spec.placement(pp)
-    chunks = getattr(where, "chunks", 1)
-    return {"module": spec.module or ("chunked" if chunks > 1 else "pipeline"),  # which PipelineModule saves them
-            "stages": [[where.stage(r, c) for c in range(chunks)] for r in range(pp)]}  # rank -> its model stages
-
-
-def run_record(args, cfg, world):
-    """What a checkpoint records of the run that wrote it (compared on --resume)."""
-    pp = args.pipeline_parallel_size
-    model = ({"model": "deep", "deep_width": args.deep_width, "deep_depth": args.deep_depth} if args.model == "deep"
-             else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args))})
-    from schedules.registry import schedule_spec
-    chunks = getattr(schedule_spec(args.pipeline_schedule, args.virtual_stages).factory, "virtual_stages", None)
-    return {"schedule": args.pipeline_schedule if pp else None, "virtual_stages": chunks if pp else None,
-            "pipeline_parallel_size": pp, "data_parallel_size": world // max(pp, 1), "placement": placement(args),
-            "model": model, "partition_method": (args.partition_method or "parameters").lower() if pp else None,
-            "zero_stage": cfg.get("zero_optimization", {}).get("stage", 0), "optimizer": cfg["optimizer"]["type"],
-            "bf16": bool(cfg.get("bf16", {}).get("enabled", False))}
-
-
-def _validate_resume(args, cfg, world, need):
-    """The checkpoint `latest` names is complete and undamaged (every file at its recorded size) and was
-    trained with what this run uses, or with a difference a resume may make."""
-    latest = os.path.join(args.save_dir, "latest")
-    need(os.path.isfile(latest), f"--resume: no checkpoint in --save-dir {args.save_dir} (no 'latest' file); "
-         "drop --resume to start afresh")
-    with open(latest) as f:
-        tag = f.read().strip()
-    folder = os.path.join(args.save_dir, tag)
-    need(tag and os.path.isdir(folder), f"--resume: {latest} names checkpoint {tag!r}, which is missing; write the "
-         f"tag of a checkpoint in {args.save_dir} to {latest}")
-    run_file = os.path.join(folder, RUN_FILE)
-    need(os.path.isfile(run_file), f"--resume: {folder} is incomplete (no {RUN_FILE}: its save was interrupted, or "
-         f"an older train.py wrote it); write the tag of a complete checkpoint to {latest}")
-    try:
-        with open(run_file) as f:
-            saved = json.load(f)
-        files, step = dict(saved.pop("files")), int(saved.pop("step"))
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--resume: {run_file} is damaged ({e}); write the tag of another checkpoint to {latest}")
-    for name, size in files.items():
-        path = os.path.join(folder, name)
-        need(os.path.isfile(path), f"--resume: checkpoint file {path} is missing; restore it or write the tag of "
-             f"another checkpoint to {latest}")
-        actual = os.path.getsize(path)
-        need(actual == size, f"--resume: checkpoint file {path} is damaged ({actual} bytes, written with {size}); "
-             f"restore it or write the tag of another checkpoint to {latest}")
-    mismatch = resume_mismatch(saved, run_record(args, cfg, world), args)
-    need(mismatch is None, f"--resume: {folder} {mismatch}")
-    need(step < args.steps, f"--steps {args.steps}: the checkpoint is at step {step} already; pass --steps above "
-         f"{step} to train on")
-    return tag, saved
-
-
-def resume_mismatch(saved, now, args):
-    """None when a run with record `now` may resume a checkpoint with record `saved`, else which
-    difference stops it and how to proceed."""
-    def schedule(record):
-        v = record.get("virtual_stages")
-        return f"--pipeline-schedule {record['schedule']}" + (f" --virtual-stages {v}" if v else "")
-
-    def flags_of(record):
-        pp = record["pipeline_parallel_size"]
-        return f"--pipeline-parallel-size {pp}" + (f" {schedule(record)}" if pp else "")
-
-    pp = saved["pipeline_parallel_size"]
-    if now["pipeline_parallel_size"] != pp:
-        return (f"was trained {'without a pipeline' if not pp else f'with {pp} pipeline stages'}: pass "
-                f"{flags_of(saved)}")
-    if now["data_parallel_size"] != saved["data_parallel_size"]:
-        return (f"was trained with {saved['data_parallel_size']} data-parallel replicas, this launch has "
-                f"{now['data_parallel_size']}: launch {saved['data_parallel_size'] * max(pp, 1)} processes")
-    if now["placement"] != saved["placement"]:
-        same = [name + (f" --virtual-stages {saved['virtual_stages']}" if name == saved["schedule"] and
-                        saved["virtual_stages"] else "")
-                for name in _trainable() if placement(_with_schedule(args, name, saved)) == saved["placement"]]
-        return (f"was trained with {schedule(saved)}, whose model stages sit elsewhere than with "
-                f"{schedule(now)}: resume with --pipeline-schedule {' or '.join(same)}")
-    if now["model"] != saved["model"]:
-        want = saved["model"]
-        flags = (f"--model deep --deep-width {want['deep_width']} --deep-depth {want['deep_depth']}"
-                 if want["model"] == "deep" else f"--model-size {want['model_size']} (with {want['layers']} layers)")
-        return f"holds another model: pass {flags}"
-    for key, what, fix in (("partition_method", "--partition-method", "pass --partition-method {}"),
-                           ("zero_stage", "ZeRO stage", "set zero_optimization.stage {} in --deepspeed_config"),
-                           ("optimizer", "optimizer", "pass --optimizer {}")):
-        if now[key] != saved[key]:
-            value = saved[key].lower() if key == "optimizer" else saved[key]
-            return f"was trained with {what} {saved[key]}, this run uses {now[key]}: {fix.format(value)}"
-    if now["bf16"] != saved["bf16"]:
-        return "was trained in bf16: pass --bf16" if saved["bf16"] else "was trained in fp32: drop --bf16"
-    return None
-
-
-def _trainable():
-    from schedules.registry import available_schedules
-    return [name for name, spec in available_schedules().items() if spec.trains]
-
-
-def _with_schedule(args, name, saved):
-    v = saved.get("virtual_stages") if name == saved["schedule"] else None
-    return argparse.Namespace(**{**vars(args), "pipeline_schedule": name, "virtual_stages": v})
-
-
-def save_checkpoint(engine, args, record, step):
-    """Every rank writes its files; then rank 0 lists them with their sizes in run.json and points
-    `latest` at the folder. Both are replaced atomically, after all files exist: a crash mid-save
-    leaves `latest` on the previous, complete checkpoint."""
-    import torch.distributed as dist
-    tag = f"global_step{step}"
-    folder = os.path.join(args.save_dir, tag)
-    if dist.get_rank() == 0 and os.path.exists(os.path.join(folder, RUN_FILE)):
-        os.remove(os.path.join(folder, RUN_FILE))  # re-saving a tag: incomplete until written again
-    engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step}, save_latest=False)  # ends in a barrier
-    if dist.get_rank() == 0:
-        files = {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
-                 for d, _, names in sorted(os.walk(folder)) for f in sorted(names) if f != RUN_FILE}
-        _write_atomically(os.path.join(folder, RUN_FILE), json.dumps({**record, "step": step, "files": files}))
-        _write_atomically(os.path.join(args.save_dir, "latest"), tag)
-
-
-def _write_atomically(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-class _NamedFiles:
-    """The engine's checkpoint engine, naming the file a load or a save failed on: each rank reads and
-    writes its own files, so only that rank knows (Peers carries its line to rank 0)."""
-
-    def __init__(self, inner, save_dir):
-        self._inner, self._latest = inner, os.path.join(save_dir, "latest")
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def load(self, path, *args, **kwargs):
-        try:
-            return self._inner.load(path, *args, **kwargs)
-        except Exception as e:
-            raise UsageError(f"--resume: checkpoint file {path} is damaged ({one_line(e)}); restore it or write the "
-                             f"tag of another checkpoint to {self._latest}") from None
-
-    def save(self, state_dict, path, *args, **kwargs):
-        try:
-            return self._inner.save(state_dict, path, *args, **kwargs)
-        except Exception as e:
-            raise Fault(f"--save-dir: cannot write {path} ({one_line(e)}); {self._latest} still names the last "
-                        "complete checkpoint") from None
-
-
-def load_checkpoint(engine, args, tag):
-    """Load checkpoint `tag` (validated) into the engine; the step it was saved at."""
-    path, client_state = engine.load_checkpoint(args.save_dir, tag=tag)
-    if path is None:
-        raise UsageError(f"--resume: DeepSpeed found no checkpoint {tag} in --save-dir {args.save_dir}")
-    return client_state["step"]
-
-
-# ---------------------------------------------------------------------------------------------
 # Data: a function from (split, global micro-batch index) to one (inputs, labels) micro-batch
 # ---------------------------------------------------------------------------------------------
 def micro_batch_source(args, micro_batch_size: int, bf16: bool):
@@ -504,140 +187,6 @@ def init_distributed(args, on_cpu):
     finally:
         if hidden is not None:
             os.environ["LOCAL_SIZE"] = hidden
-
-
-class Peers:
-    """What the ranks tell each other outside the collectives, through the rendezvous store (TCPStore
-    clients of their own, with a short timeout): the run's failures in the order they happened, each
-    a rank, an exit status and a one-line reason; and a heartbeat per rank.
-
-    The first failure is the cause: a rank posts its reason before it exits, so before its peers see
-    the connection close. A watcher thread beats, ends this rank as soon as another rank failed
-    (whatever collective or store wait it is in), and on rank 0 ends the run when a rank has been
-    silent for --dist-timeout seconds (killed, stopped, or stuck where no timeout applies)."""
-    PREFIX, PERIOD, SILENT_S = "train.py/", 1.0, 3.0
-
-    def __init__(self, rank, world, timeout_s):
-        from torch.distributed import TCPStore
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self._stores = threading.local()  # a client per thread: the main thread's and the watcher's
-        self._connect = lambda: TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-        self._ending, self._stop = threading.Lock(), threading.Event()
-        self._heard = {}  # rank 0: rank -> (its last heartbeat, when that changed)
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    @property
-    def store(self):
-        if not hasattr(self._stores, "client"):
-            self._stores.client = self._connect()
-        return self._stores.client
-
-    def close(self):
-        """Stop watching (the run ended well): rank 0 no longer expects this rank's heartbeat."""
-        self._stop.set()
-        self._thread.join()
-        try:
-            self.store.set(f"{self.PREFIX}beat/{self.rank}", "done")
-        except Exception:
-            pass
-
-    def fail(self, status, reason, cause_unknown=False):
-        """Post this rank's failure, then end the rank (rank 0 first prints the run's first failure).
-        `cause_unknown`: the failure may be a peer's fault (a closed connection, a timeout)."""
-        try:
-            n = self.store.add(f"{self.PREFIX}failures", 1)
-            self.store.set(f"{self.PREFIX}failure/{n}", json.dumps([self.rank, status, reason]))
-            first = json.loads(self.store.get(f"{self.PREFIX}failure/1"))
-        except Exception:  # the store went with rank 0
-            first = [self.rank, status, reason]
-        if first[0] == self.rank == 0 and cause_unknown:  # e.g. "connection closed by peer": whose fault?
-            silent = self._silent(wait_s=self.SILENT_S + 1)
-            if silent:
-                first[2] = f"rank {silent} stopped responding (killed, crashed or stopped); rank 0 saw {reason}"
-        self._end(*first, own_reason=reason)
-
-    def _end(self, rank, status, reason, own_reason=None):
-        with self._ending:  # the watcher and the main thread may both end the rank: one does
-            if self.rank == 0:
-                prefix = f"rank {rank}: " if rank != 0 and reason != own_reason else ""
-                print(f"error: {prefix}{reason}", file=sys.stderr, flush=True)
-                self._linger()
-            else:
-                try:
-                    self.store.add(f"{self.PREFIX}read", 1)
-                except Exception:
-                    pass
-            sys.stdout.flush()
-            os._exit(status)
-
-    def _linger(self, wait_s=5.0):
-        """Rank 0 hosts the store: keep it up until the other ranks have read the failure."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                if self.store.add(f"{self.PREFIX}read", 0) >= self.world - 1 - len(self._silent(as_list=True)):
-                    return
-            except Exception:
-                return
-            time.sleep(0.1)
-
-    def _silent(self, wait_s=0.0, silent_s=None, as_list=False):
-        """Rank 0: the ranks whose heartbeat has not changed for `silent_s` seconds, as "1, 3" (or a list),
-        waiting up to `wait_s` seconds for one."""
-        silent_s = self.SILENT_S if silent_s is None else silent_s
-        deadline = time.monotonic() + wait_s
-        while True:
-            now = time.monotonic()
-            silent = sorted(r for r, (beat, since) in list(self._heard.items()) if beat != b"done" and
-                            now - since >= silent_s)
-            if silent or now >= deadline:
-                return silent if as_list else ", ".join(map(str, silent))
-            time.sleep(0.2)
-
-    def _watch(self):
-        try:
-            self.store.set(f"{self.PREFIX}beat/{self.rank}", "0")
-        except Exception:  # no store to reach as a client: failures end as this rank's own errors
-            return
-        beat, reachable = 0, time.monotonic()
-        keys = [f"{self.PREFIX}beat/{r}" for r in range(self.world)]
-        while not self._stop.wait(self.PERIOD if beat else 0):
-            try:
-                beat += 1
-                self.store.set(keys[self.rank], str(beat))
-                if self.store.add(f"{self.PREFIX}failures", 0):  # another rank failed: end this one too
-                    first = json.loads(self.store.get(f"{self.PREFIX}failure/1"))
-                    if first[0] != self.rank:
-                        self._end(*first)
-                if self.rank == 0 and self.store.check(keys):  # every rank beats: who went silent?
-                    now = time.monotonic()
-                    for r, value in enumerate(self.store.multi_get(keys)):
-                        if r and (r not in self._heard or self._heard[r][0] != value):
-                            self._heard[r] = (value, now)
-                    stalled = self._silent(silent_s=self.timeout_s)
-                    if stalled:
-                        self.fail(1, f"rank {stalled} stopped responding for --dist-timeout {self.timeout_s} s "
-                                     "(killed, stopped, or stuck), so the run ends")
-                reachable = time.monotonic()
-            except Exception:
-                if time.monotonic() - reachable > max(10.0, self.timeout_s):  # rank 0, the store's host, is gone
-                    os._exit(1)
-
-
-PEERS = None  # set once the process group is up, for more than one rank
-
-
-def one_line(e):
-    """An exception as one line: its type and the first line of its message, without a C++ source location
-    (gloo's `[.../pair.cc:553] Connection closed by peer [127.0.0.1]:49859. This is typically ...` ->
-    `Connection closed by peer [127.0.0.1]:49859`)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\][\s.]*", "", lines[0] if lines else "")
-    if text != (lines[0] if lines else ""):  # a message from C++ code: its first sentence says it
-        text = text.split(". ")[0].rstrip(".")
-    return f"{type(e).__name__}: {text}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,7 +338,7 @@ def build_engine(args, cfg):
     if getattr(scheduler, "last_batch_iteration", 0) < 0:  # DeepSpeed's schedulers start before iteration 0, at
         scheduler.step(0)  # learning rate 0, so the first step would not train: it trains at iteration 0's rate
     if args.save_dir:
-        engine.checkpoint_engine = _NamedFiles(engine.checkpoint_engine, args.save_dir)
+        engine.checkpoint_engine = NamedFiles(engine.checkpoint_engine, args.save_dir)
     return engine, criterion
 
 
@@ -827,7 +376,8 @@ def main(argv=None):
     on_cpu = get_accelerator().device_name() == "cpu"
     dp = world // max(args.pipeline_parallel_size, 1)
     cfg = ds_config(args, dp)
-    resume = validate(args, cfg, world, on_cpu)
+    validate(args, cfg, world, on_cpu)
+    resume = check_resume(args, cfg, world) if args.resume else None  # (tag, what it was trained with)
     record = run_record(args, cfg, world)
     import torch
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded

@@ -1,0 +1,140 @@
+"""Every flag of train.py and the merged DeepSpeed config, checked before any process waits on another:
+`validate()` refuses bad input with a UsageError naming the flag (or config key) and the fix. Every rank
+runs it on the same flags, config and files, so every rank reaches the same verdict.
+"""
+import os
+import re
+
+from faults import UsageError
+
+
+def validate(args, cfg, world: int, on_cpu: bool):
+    """Refuse bad input with a UsageError naming the flag (or config key) and the fix.
+
+    Every rank runs this on the same flags, config and files before `init_distributed`, so every
+    rank reaches the same verdict and none is left waiting on a peer that gave up. (A checkpoint to
+    resume is checked by checkpoints.check_resume.)
+    """
+    def need(ok, message):
+        if not ok:
+            raise UsageError(message)
+
+    for flag, value, least in (("--steps", args.steps, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                               ("--gradient-accumulation-steps", args.gradient_accumulation_steps, 1),
+                               ("--eval-interval", args.eval_interval, 0), ("--eval-batches", args.eval_batches, 1),
+                               ("--log-interval", args.log_interval, 1), ("--save-interval", args.save_interval, 0),
+                               ("--trace-steps", args.trace_steps, 1), ("--dist-timeout", args.dist_timeout, 1),
+                               ("--activation-checkpoint-interval", args.activation_checkpoint_interval, 0),
+                               ("--n-layer", args.n_layer, 1), ("--deep-width", args.deep_width, 1),
+                               ("--deep-depth", args.deep_depth, 1), ("--pipeline-parallel-size",
+                                                                      args.pipeline_parallel_size, 0)):
+        need(value is None or value >= least, f"{flag} {value} is below {least}: pass {flag} N with N >= {least}")
+    need(0 <= args.dropout < 1, f"--dropout {args.dropout}: pass --dropout P with 0 <= P < 1")
+    need(args.lr is None or args.lr > 0, f"--lr {args.lr}: pass a positive --lr")
+    pp = args.pipeline_parallel_size
+    need(not pp or world % pp == 0, f"--pipeline-parallel-size {pp} must divide the world size {world}: "
+         f"launch a multiple of {pp} processes or change the flag")
+    need(args.virtual_stages is None or args.pipeline_schedule == "interleaved",
+         "--virtual-stages applies to --pipeline-schedule interleaved only")
+    need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
+    need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
+    if args.model == "gptlite":
+        from gptlite import MODEL_SIZES
+        need(args.model_size in MODEL_SIZES,
+             f"--model-size {args.model_size!r} is unknown: choose from {', '.join(MODEL_SIZES)}")
+    _validate_config(cfg, pp, on_cpu, need)
+    _validate_pipeline(args, cfg["gradient_accumulation_steps"], need)
+    for flag, path in (("--metrics-file", args.metrics_file), ("--export", args.export), ("--trace", args.trace)):
+        if path:
+            need(not os.path.isdir(path), f"{flag} {path}: is a directory; pass a file name")
+            need(_creatable(os.path.dirname(os.path.abspath(path))), f"{flag} {path}: cannot create it here "
+                 "(no write permission, or a file stands where a folder should); pass another path")
+    if not args.save_dir:
+        return
+    need(not os.path.exists(args.save_dir) or os.path.isdir(args.save_dir),
+         f"--save-dir {args.save_dir}: is a file, not a directory; pass a directory")
+    need(_creatable(args.save_dir), f"--save-dir {args.save_dir}: cannot write there; pass another directory")
+    latest = os.path.join(args.save_dir, "latest")
+    need(args.resume or not os.path.exists(latest), f"--save-dir {args.save_dir} already holds a checkpoint; pass "
+         "--resume to continue it, or another --save-dir (nothing is overwritten)")
+
+
+def _creatable(folder):
+    """Whether `folder` exists as a writable directory or could be created."""
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+
+
+def _validate_config(cfg, pp, on_cpu, need):
+    """What DeepSpeed would refuse with an assertion on every rank, said up front."""
+    mbs, gas = cfg.get("train_micro_batch_size_per_gpu"), cfg["gradient_accumulation_steps"]
+    need(mbs is not None, "config train_micro_batch_size_per_gpu is missing: set it in --deepspeed_config or pass "
+         "--micro-batch-size N")
+    for key, flag, value in (("train_micro_batch_size_per_gpu", "--micro-batch-size", mbs),
+                             ("gradient_accumulation_steps", "--gradient-accumulation-steps", gas)):
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+             f"config {key} {value!r}: must be an integer >= 1; fix --deepspeed_config or pass {flag} N")
+    zero = cfg.get("zero_optimization", {}).get("stage", 0)
+    need(zero in (0, 1, 2, 3), f"config zero_optimization.stage {zero!r}: must be 0, 1, 2 or 3")
+    need(not (pp and zero >= 2), f"config zero_optimization.stage {zero}: DeepSpeed's pipeline engine supports ZeRO "
+         "stages 0 and 1 only; set zero_optimization.stage to 0 or 1 in --deepspeed_config, or train without a "
+         "pipeline (--pipeline-parallel-size 0)")
+    fp16, bf16 = (cfg.get(k, {}).get("enabled", False) for k in ("fp16", "bf16"))
+    need(not (fp16 and bf16), "config fp16.enabled and bf16.enabled: choose one; set fp16.enabled false for --bf16")
+    need(not (fp16 and on_cpu), "config fp16.enabled: DeepSpeed trains fp16 on GPUs only; on CPU set fp16.enabled "
+         "false in --deepspeed_config (or train in bf16 with --bf16)")
+    need(isinstance(cfg["optimizer"].get("type"), str), "config optimizer.type is missing: set it, or pass "
+         "--optimizer adamw|sgd")
+    if cfg["optimizer"]["type"].lower() == "sgd" and zero and not cfg.get("zero_allow_untested_optimizer"):
+        need(False, f"config zero_optimization.stage {zero} with the SGD optimizer (a torch optimizer, which "
+             "DeepSpeed calls untested): set zero_allow_untested_optimizer true in --deepspeed_config, or "
+             "zero_optimization.stage 0")
+    warmup = cfg.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 1)
+    need(isinstance(warmup, int) and warmup >= 1, f"config scheduler.params.warmup_num_steps {warmup!r}: must be "
+         "an integer >= 1")
+
+
+def layer_types(args):
+    """The class name of every layer of the model, in order: what the pipeline partitions."""
+    if args.model == "deep":
+        return ["DeepBlock"] * args.deep_depth
+    from dataclasses import replace
+
+    import gptlite
+    config = gptlite.MODEL_SIZES[args.model_size]
+    config = replace(config, n_layer=args.n_layer or config.n_layer)
+    return [cls.__name__ for cls, _ in gptlite.layer_specs(config)]
+
+
+def model_stages(args):
+    """How many stages the pipeline cuts the model into: stages x chunks per rank (DualPipe: p)."""
+    from schedules.registry import schedule_spec
+    pp = args.pipeline_parallel_size
+    return schedule_spec(args.pipeline_schedule, args.virtual_stages).placement(pp).num_stages if pp else 0
+
+
+def _validate_pipeline(args, micro_batches, need):
+    """The schedule's own constraints (built once for stage 0) and enough layers for its model stages."""
+    from schedules.registry import schedule_spec
+    name, pp = args.pipeline_schedule, args.pipeline_parallel_size
+    need(name == "1f1b" or pp >= 2, f"--pipeline-schedule {name} needs --pipeline-parallel-size >= 2")
+    if not pp:
+        return
+    try:
+        schedule_spec(name, args.virtual_stages).factory(micro_batches=micro_batches, stages=pp, stage_id=0)
+    except ValueError as e:
+        raise UsageError(f"--pipeline-schedule {name}: {e}") from None
+    method = (args.partition_method or "parameters").lower()
+    types = layer_types(args)
+    need(method in ("parameters", "uniform") or (method.startswith("type:") and method[5:]),
+         f"--partition-method {args.partition_method}: choose parameters, uniform or type:LAYER_CLASS")
+    if method.startswith("type:"):
+        need(any(re.search(method[5:], t, re.IGNORECASE) for t in types), f"--partition-method "
+             f"{args.partition_method} matches "
+             f"no layer of the model (its layer classes: {', '.join(dict.fromkeys(types))})")
+    stages = model_stages(args)
+    # GPTlite's layers: the blocks, the embeddings, the final norm and the head
+    size, least = ("--n-layer", stages - 3) if args.model == "gptlite" else ("--deep-depth", stages)
+    need(len(types) >= stages, f"--pipeline-schedule {name} at --pipeline-parallel-size {pp} cuts the model into "
+         f"{stages} stages, but it has {len(types)} layers: pass {size} {least} or more, or fewer stages")
