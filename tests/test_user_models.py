@@ -36,16 +36,16 @@ def check(results, linear_on_every_rank=True):
         assert r["val_loss_diff"] < TOL, (name, r["val_loss_diff"])  # eval_batch on the trained weights
         if name in SPLITS and linear_on_every_rank:
             assert all(share > 0 for share in r["shares"]), (name, r["shares"])
-        elif name in OURS_FUSED:
-            assert all(share == 0 for share in r["shares"]), (name, r["shares"])
+        elif name in OURS_FUSED:  # 0, or None on a rank with nothing deferrable
+            assert all(not share for share in r["shares"]), (name, r["shares"])
 
 
 @pytest.mark.parametrize("model,schedules", [
     ("mlp", ALL),
     ("tied", ALL),
-    ("masked", ["zb-h1", "interleaved", "zb-v", "dualpipev", "dualpipe", "dualpipev-deepspeed"]),
-    ("dynamic", ["zb-h2", "interleaved", "zb-v", "dualpipe"]),  # DeepSpeed's DualPipeV refuses dynamic shapes
-    ("conv", ["1f1b", "zb-h1", "zb-v", "dualpipe"]),
+    ("masked", ALL),
+    ("dynamic", [s for s in ALL if s != "dualpipev-deepspeed"]),  # DeepSpeed's DualPipeV refuses dynamic shapes
+    ("conv", ALL),
 ])
 def test_schedules_at_2_ranks(model, schedules):
     results, stderr = run(2, model, schedules)
