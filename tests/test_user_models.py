@@ -18,9 +18,9 @@ SPLITS = {"zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe"}  # schedules with B
 OURS_FUSED = {"interleaved"}  # our engine, every backward fused
 
 
-def run(ranks, model, schedules, micro_batches=8, clip=0.0, checkpoint=0):
-    done = launch(ranks, [model, micro_batches, *schedules, "--clip", clip, "--checkpoint", checkpoint],
-                  script="tests/user_model_probe.py", timeout=400)
+def run(ranks, model, schedules, micro_batches=8, clip=0.0, checkpoint=0, save=None):
+    done = launch(ranks, [model, micro_batches, *schedules, "--clip", clip, "--checkpoint", checkpoint,
+                          *(["--save", save] if save else [])], script="tests/user_model_probe.py", timeout=400)
     assert done.ok, done.explain()
     results = [json.loads(line) for line in done.stdout[0].splitlines() if line.startswith("{")]
     assert [r["schedule"] for r in results] == list(schedules)
@@ -57,8 +57,13 @@ def test_schedules_at_2_ranks(model, schedules):
 
 @pytest.mark.parametrize("model,schedules", [("tied", ["interleaved", "zb-v", "dualpipe"]),
                                               ("masked", ["zb-h1", "dualpipev"])])
-def test_selected_schedules_at_4_ranks(model, schedules):
-    check(run(4, model, schedules)[0])
+def test_selected_schedules_at_4_ranks(model, schedules, tmp_path):
+    """At 4 ranks; each trained model is also saved and loaded into a fresh engine (tied modules, both of
+    DualPipe's copies): every layer comes back as trained."""
+    results = run(4, model, schedules, save=tmp_path)[0]
+    check(results)
+    for r in results:
+        assert r["reloaded"] and r["reload_diff"] == 0, (r["schedule"], r["reloaded"], r["reload_diff"])
 
 
 def test_tied_model_with_clipping_biting_and_checkpointing_by_class_name():

@@ -13,6 +13,7 @@ layers' weight gradients that W passes computed.
 import argparse
 import functools
 import json
+import os
 from datetime import timedelta
 
 import deepspeed
@@ -20,20 +21,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
-from user_models import MICRO_BATCH, MODELS
 
 import schedules
 from schedules.runtime import weight_grad
+from user_models import MICRO_BATCH, MODELS
 
 LR, SEED = 0.5, 1234
 
 
-def module_chunks(module):
-    """[(layer functions, first global layer index)] of the layers this rank trains (one copy of each)."""
+def module_chunks(module, copies=False):
+    """[(layer functions, first global layer index)] of the layers this rank trains (one copy of each, or
+    with `copies` DualPipe's second copy too)."""
     if hasattr(module, "chunk_funcs"):
         placement = module.placement
         return [(funcs, start) for c, (funcs, (start, _)) in enumerate(zip(module.chunk_funcs, module.chunk_bounds))
-                if placement.direction(c) != 1]
+                if copies or placement.direction(c) != 1]
     if hasattr(module, "phase_funcs"):  # DeepSpeed's DualPipeVModule
         return [(funcs, start) for funcs, (start, _) in zip(module.phase_funcs, module.phase_bounds)]
     return [(module.forward_funcs, module._local_start)]
@@ -101,7 +103,8 @@ def train_reference(specs, loss_fn, batches, clip):
     return losses, norms, layer_state(specs, [(funcs, 0)], tied), val
 
 
-def run(name, args, batches, p):
+def build(name, args, p):
+    """The user's layers as the PipelineModule `name` needs, and its engine (plain SGD)."""
     layers, loss_fn, _, options = MODELS[args.model]
     checkpointing = dict(activation_checkpoint_interval=args.checkpoint, checkpointable_layers=["Block"])
     module = schedules.pipeline_module(name, layers(), num_stages=p, loss_fn=loss_fn, partition_method="uniform",
@@ -113,6 +116,22 @@ def run(name, args, batches, p):
     params = [q for q in module.parameters() if q.requires_grad]
     engine, *_ = schedules.initialize(name, model=module, optimizer=torch.optim.SGD(params, lr=LR),
                                       model_parameters=params, config=cfg)
+    return module, engine
+
+
+def reloaded(name, args, p, engine):
+    """Save `engine`'s checkpoint, load it into a freshly built one: every copy of every layer it holds."""
+    folder = os.path.join(args.save, name)
+    engine.save_checkpoint(folder, tag="t")
+    module, fresh = build(name, args, p)
+    fresh.load_checkpoint(folder, tag="t", load_optimizer_states=False, load_lr_scheduler_states=False)
+    return [kv for kv in layer_state(module._layer_specs, module_chunks(module, copies=True),
+                                     module.tied_modules).items()]
+
+
+def run(name, args, batches, p):
+    loss_fn = MODELS[args.model][1]
+    module, engine = build(name, args, p)
     checkpointed = []  # one entry per checkpointed group that ran
     inner = engine.module.activation_checkpoint_func
     engine.module.activation_checkpoint_func = lambda *a, **k: checkpointed.append(1) or inner(*a, **k)
@@ -124,19 +143,23 @@ def run(name, args, batches, p):
     share = deferred / (deferred + immediate) if deferred + immediate else None
     mine = layer_state(module._layer_specs, module_chunks(module), module.tied_modules)
     mine = mine if engine.grid.get_data_parallel_rank() == 0 else {}
+    reload = reloaded(name, args, p, engine) if args.save else []
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, share, len(checkpointed)))
+    dist.all_gather_object(gathered, (mine, share, len(checkpointed), reload))
     if dist.get_rank() != 0:
         return None
-    state = {k: v for part, _, _ in gathered for k, v in part.items()}
+    state = {k: v for part, *_ in gathered for k, v in part.items()}
+    reload = [kv for *_, part in gathered for kv in part]
     ref_losses, norms, ref_state, ref_val = train_reference(module._layer_specs, loss_fn, batches, args.clip)
     _, _, initial, _ = train_reference(module._layer_specs, loss_fn, [], args.clip)
     missing = sorted(set(ref_state) ^ set(state))
     weight_diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state if k in state)
     return {"schedule": name, "losses": losses, "val_loss_diff": abs(val_loss - ref_val),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "weight_diff": weight_diff, "missing": missing, "shares": [s for _, s, _ in gathered],
-            "checkpointed": [n for _, _, n in gathered],
+            "weight_diff": weight_diff, "missing": missing, "shares": [s for _, s, *_ in gathered],
+            "checkpointed": [n for _, _, n, _ in gathered],
+            "reload_diff": max(((v - state[k]).abs().max().item() for k, v in reload), default=None),
+            "reloaded": sorted({k for k, _ in reload}) == sorted(state) if args.save else None,
             "moved": max((ref_state[k] - initial[k]).abs().max().item() for k in ref_state), "grad_norms": norms}
 
 
@@ -148,6 +171,7 @@ def main():
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage (0 or 1)")
     parser.add_argument("--checkpoint", type=int, default=0, help="activation checkpoint interval (Block layers)")
+    parser.add_argument("--save", default=None, help="save each schedule's checkpoint here and load it back")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     p, m = dist.get_world_size(), args.micro_batches
