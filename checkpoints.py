@@ -7,6 +7,7 @@ import json
 import os
 
 from faults import Fault, UsageError, one_line
+from schedules.registry import schedule_spec, trainable_schedules
 from validation import layer_types
 
 RUN_FILE = "run.json"  # in each checkpoint folder, written after every rank's files: a checkpoint is complete
@@ -15,7 +16,6 @@ RUN_FILE = "run.json"  # in each checkpoint folder, written after every rank's f
 def placement(args):
     """Where the model's stages live: the checkpoint's layer files and optimizer state follow it. Two
     schedules with the same placement (1f1b, zb-h1, zb-h2; zb-v, dualpipev) resume each other."""
-    from schedules.registry import schedule_spec
     pp = args.pipeline_parallel_size
     if not pp:
         return None
@@ -31,7 +31,6 @@ def run_record(args, cfg, world):
     pp = args.pipeline_parallel_size
     model = ({"model": "deep", "deep_width": args.deep_width, "deep_depth": args.deep_depth} if args.model == "deep"
              else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args))})
-    from schedules.registry import schedule_spec
     chunks = getattr(schedule_spec(args.pipeline_schedule, args.virtual_stages).factory, "virtual_stages", None)
     return {"schedule": args.pipeline_schedule if pp else None, "virtual_stages": chunks if pp else None,
             "pipeline_parallel_size": pp, "data_parallel_size": world // max(pp, 1), "placement": placement(args),
@@ -100,7 +99,8 @@ def resume_mismatch(saved, now, args):
     if now["placement"] != saved["placement"]:
         same = [name + (f" --virtual-stages {saved['virtual_stages']}" if name == saved["schedule"] and
                         saved["virtual_stages"] else "")
-                for name in _trainable() if placement(_with_schedule(args, name, saved)) == saved["placement"]]
+                for name in trainable_schedules()
+                if placement(_with_schedule(args, name, saved)) == saved["placement"]]
         return (f"was trained with {schedule(saved)}, whose model stages sit elsewhere than with "
                 f"{schedule(now)}: resume with --pipeline-schedule {' or '.join(same)}")
     if now["model"] != saved["model"]:
@@ -117,11 +117,6 @@ def resume_mismatch(saved, now, args):
     if now["bf16"] != saved["bf16"]:
         return "was trained in bf16: pass --bf16" if saved["bf16"] else "was trained in fp32: drop --bf16"
     return None
-
-
-def _trainable():
-    from schedules.registry import available_schedules
-    return [name for name, spec in available_schedules().items() if spec.trains]
 
 
 def _with_schedule(args, name, saved):

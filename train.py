@@ -44,8 +44,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    from schedules.registry import available_schedules
-    trainable = sorted(name for name, spec in available_schedules().items() if spec.trains)
+    from schedules.registry import trainable_schedules
+    trainable = sorted(trainable_schedules())
     p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.flag("--pipeline-parallel-size", "--pipeline-num-stages", type=int, default=0, dest="pipeline_parallel_size",

@@ -64,6 +64,11 @@ def available_schedules():
     return SCHEDULES
 
 
+def trainable_schedules():
+    """The names train.py can run, in table order."""
+    return [name for name, spec in SCHEDULES.items() if spec.trains]
+
+
 def schedule_spec(name, virtual_stages=None):
     """The registered schedule `name`; with `virtual_stages`, its variant with that many chunks per rank."""
     spec = SCHEDULES[name]
