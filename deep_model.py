@@ -77,12 +77,13 @@ def synthetic_micro_batch(index: int, batch_size: int, width: int, seed: int):
 
 def get_model(criterion=mse_loss, pipeline_num_stages=0, pipeline_spec_layers=False,
               activation_checkpoint_interval=0, width=256, depth=16, seed=0, partition_method="uniform",
-              pipe_module=None):
+              pipe_module=None, partition_weights=None):
     config = DeepConfig(width=width, depth=depth, seed=seed)
     if not pipeline_num_stages:
         return DeepModel(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
-                       activation_checkpoint_interval=activation_checkpoint_interval)
+                       activation_checkpoint_interval=activation_checkpoint_interval,
+                       partition_weights=partition_weights)  # per-layer costs to balance (LayerPipe)
     if pipe_module is not None:  # several chunks per rank (see gptlite.get_model)
         specs = layer_specs(config)
         layers = ([SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))] if pipeline_spec_layers else

@@ -4,10 +4,11 @@
     deepspeed --num_gpus 2 train.py --pipeline-parallel-size 2        # 2-stage pipeline
     deepspeed --num_gpus 1 train.py --pipeline-parallel-size 0        # no pipeline
 
-Reads top to bottom: flags -> DeepSpeed config -> validation -> data -> distributed -> model ->
-engine -> loop. Pipelined steps are `engine.train_batch()` over `gradient_accumulation_steps`
-micro-batches; the non-pipelined path runs forward / `engine.backward` / `engine.step` over the
-very same micro-batches, so both report the same losses for the same seed.
+Reads top to bottom: flags -> DeepSpeed config -> validation -> data -> distributed -> (auto: profile
+the layers, choose the schedule, planning.py) -> model -> engine -> loop. Pipelined steps are
+`engine.train_batch()` over `gradient_accumulation_steps` micro-batches; the non-pipelined path runs
+forward / `engine.backward` / `engine.step` over the very same micro-batches, so both report the same
+losses for the same seed.
 
 Failures end in one `error:` line from rank 0: bad input (exit status 2) is found by `validate()`
 (validation.py) before any process waits on another; what only one rank can see (a damaged
@@ -22,6 +23,7 @@ import sys
 import time
 from datetime import timedelta
 
+import planning
 from checkpoints import NamedFiles, check_resume, load_checkpoint, run_record, save_checkpoint
 from faults import Fault, Peers, UsageError, one_line
 from validation import validate
@@ -52,9 +54,14 @@ def parse_args(argv=None):
            help="pipeline stages; 0 = no pipeline. World size = data-parallel degree x this.")
     p.flag("--pipeline-spec-layers", action="store_true",
            help="build stages from LayerSpecs (each rank builds its own)")
-    p.flag("--pipeline-schedule", default="1f1b", choices=trainable, help="pipeline schedule")
+    p.flag("--pipeline-schedule", default="1f1b", choices=trainable + ["auto"],
+           help="pipeline schedule; auto: profile the layers on these ranks and pick the fastest predicted")
+    p.flag("--max-activation-memory", type=float, default=None,
+           help="auto: MiB of activation memory per rank that the chosen schedule's predicted peak stays under")
     p.flag("--virtual-stages", type=int, default=None, help="interleaved: model chunks per rank (default 2)")
-    p.flag("--partition-method", default=None, help="DeepSpeed partition method (parameters, uniform, type:Block)")
+    p.flag("--partition-method", default=None,
+           help="DeepSpeed partition method (parameters, uniform, type:Block), or profile: balanced on measured "
+                "per-layer costs")
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
@@ -196,8 +203,10 @@ def build_model(args):
     pp = args.pipeline_parallel_size
     common = dict(pipeline_num_stages=pp, pipeline_spec_layers=args.pipeline_spec_layers,
                   activation_checkpoint_interval=args.activation_checkpoint_interval)
-    if args.partition_method:
+    if args.partition_method and args.partition_method.lower() != "profile":
         common["partition_method"] = args.partition_method
+    if getattr(args, "partition_weights", None):  # --partition-method profile: the measured per-layer costs
+        common["partition_weights"] = args.partition_weights
     import schedules
     pipe_module = schedules.pipe_module(args.pipeline_schedule, args.virtual_stages)
     if pp and pipe_module is not None:  # the schedule needs its own PipelineModule (several chunks per rank)
@@ -378,7 +387,6 @@ def main(argv=None):
     cfg = ds_config(args, dp)
     validate(args, cfg, world, on_cpu)
     resume = check_resume(args, cfg, world) if args.resume else None  # (tag, what it was trained with)
-    record = run_record(args, cfg, world)
     import torch
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -388,6 +396,9 @@ def main(argv=None):
 
     init_distributed(args, on_cpu)
     PEERS = Peers(rank, world, args.dist_timeout) if world > 1 else None
+    if planning.wanted(args):  # auto, --partition-method profile: measure the layers on these ranks, then choose
+        planning.plan(args, cfg, batch_of, rank)
+    record = run_record(args, cfg, world)
     engine, criterion = build_engine(args, cfg)
     trainer = Trainer(engine, criterion, batch_of, args, dp)
     start = load_checkpoint(engine, args, resume[0]) if resume else 0

@@ -35,7 +35,9 @@ def validate(args, cfg, world: int, on_cpu: bool):
     need(not pp or world % pp == 0, f"--pipeline-parallel-size {pp} must divide the world size {world}: "
          f"launch a multiple of {pp} processes or change the flag")
     need(args.virtual_stages is None or args.pipeline_schedule == "interleaved",
-         "--virtual-stages applies to --pipeline-schedule interleaved only")
+         "--virtual-stages applies to --pipeline-schedule interleaved only"
+         + (" (auto chooses v itself)" if args.pipeline_schedule == "auto" else ""))
+    _validate_auto(args, need)
     need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
     need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     if args.model == "gptlite":
@@ -114,6 +116,23 @@ def model_stages(args):
     return schedule_spec(args.pipeline_schedule, args.virtual_stages).placement(pp).num_stages if pp else 0
 
 
+def _validate_auto(args, need):
+    """--pipeline-schedule auto and --max-activation-memory: what the chooser cannot do, said up front."""
+    auto = args.pipeline_schedule == "auto"
+    need(args.max_activation_memory is None or auto,
+         "--max-activation-memory applies to --pipeline-schedule auto only (it bounds the chosen schedule)")
+    need(args.max_activation_memory is None or args.max_activation_memory > 0,
+         f"--max-activation-memory {args.max_activation_memory}: pass a positive number of MiB")
+    if not auto:
+        return
+    need(args.pipeline_parallel_size >= 2, "--pipeline-schedule auto chooses among pipeline schedules, which need "
+         f"--pipeline-parallel-size >= 2 (it is {args.pipeline_parallel_size}); pass a schedule by name for one stage")
+    need(not args.resume, "--resume with --pipeline-schedule auto: pass the schedule the checkpoint was trained with "
+         "(its run.json names it), so that the resumed run does not choose another")
+    need(not args.activation_checkpoint_interval, "--pipeline-schedule auto profiles the layers without activation "
+         "checkpointing: drop --activation-checkpoint-interval, or pass a schedule by name")
+
+
 def _validate_pipeline(args, micro_batches, need):
     """The schedule's own constraints (built once for stage 0) and enough layers for its model stages."""
     from schedules.registry import schedule_spec
@@ -121,19 +140,20 @@ def _validate_pipeline(args, micro_batches, need):
     need(name == "1f1b" or pp >= 2, f"--pipeline-schedule {name} needs --pipeline-parallel-size >= 2")
     if not pp:
         return
-    try:
-        schedule_spec(name, args.virtual_stages).factory(micro_batches=micro_batches, stages=pp, stage_id=0)
-    except ValueError as e:
-        raise UsageError(f"--pipeline-schedule {name}: {e}") from None
+    if name != "auto":  # auto considers only the schedules that run at this p and m
+        try:
+            schedule_spec(name, args.virtual_stages).factory(micro_batches=micro_batches, stages=pp, stage_id=0)
+        except ValueError as e:
+            raise UsageError(f"--pipeline-schedule {name}: {e}") from None
     method = (args.partition_method or "parameters").lower()
     types = layer_types(args)
-    need(method in ("parameters", "uniform") or (method.startswith("type:") and method[5:]),
-         f"--partition-method {args.partition_method}: choose parameters, uniform or type:LAYER_CLASS")
+    need(method in ("parameters", "uniform", "profile") or (method.startswith("type:") and method[5:]),
+         f"--partition-method {args.partition_method}: choose parameters, uniform, profile or type:LAYER_CLASS")
     if method.startswith("type:"):
         need(any(re.search(method[5:], t, re.IGNORECASE) for t in types), f"--partition-method "
              f"{args.partition_method} matches "
              f"no layer of the model (its layer classes: {', '.join(dict.fromkeys(types))})")
-    stages = model_stages(args)
+    stages = pp if name == "auto" else model_stages(args)  # auto: at least 1F1B's stages
     # GPTlite's layers: the blocks, the embeddings, the final norm and the head
     size, least = ("--n-layer", stages - 3) if args.model == "gptlite" else ("--deep-depth", stages)
     need(len(types) >= stages, f"--pipeline-schedule {name} at --pipeline-parallel-size {pp} cuts the model into "

@@ -18,11 +18,31 @@ The folders are the architecture; dependencies point up this list, never down it
 The runtime and the simulator both read the vocabulary and never each other. docs/architecture.md
 draws the data flow and gives the reading paths.
 
+    planner/         per-layer profiles of a model on its device, composed into any cut and
+                     placement, and the chooser that simulates every schedule on them
+
+`choose(profile, stages, micro_batches, ...)` ranks the schedules for a run from a measured profile
+(`train.py --pipeline-schedule auto` uses it; docs/choosing.md).
+
 `initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
 class to build. `pipeline_module(schedule, layers, ...)` builds the PipelineModule the schedule needs from
 your layer list (`pipe_module(schedule)`: what builds it).
 """
+
+
+def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=None):
+    """Rank every trainable schedule (each valid v, each cut) for `stages` ranks and `micro_batches` per
+    step by its predicted step time on `profile` (a schedules.planner.profile.Profile, or the path of its
+    JSON); `max_activation_memory` in MiB per rank drops those predicted to exceed it. Returns a
+    schedules.planner.choose.Choice (`.pick` is the first; `schedules.planner.choose.table(choice)` the
+    table). Raises ValueError for p < 2, and NoScheduleFits (a ValueError) when nothing is within the budget."""
+    from schedules.planner.choose import CUTS
+    from schedules.planner.choose import choose as rank
+    from schedules.planner.profile import Profile
+    if not isinstance(profile, Profile):
+        profile = Profile.load(profile)
+    return rank(profile, stages, micro_batches, max_activation_memory, cuts=cuts or CUTS)
 
 
 def pipeline_module(schedule, layers, virtual_stages=None, **kwargs):

@@ -189,6 +189,16 @@ class SavedTensorTracker:
     def _unpack(saved):
         return saved.tensor
 
+    def bytes_of(self, tensor):
+        """The bytes of `tensor`'s storage if it is counted as saved now, else 0."""
+        try:
+            key, _ = self._key(tensor)
+        except (RuntimeError, NotImplementedError):
+            return 0
+        with self._lock:
+            entry = self._refs.get(key)
+            return entry[1] if entry else 0
+
     def hold(self, *tensors):
         """Count `tensors` as saved until the returned token is dropped."""
         return [self._pack(t) for t in tensors]

@@ -1,0 +1,135 @@
+"""`--pipeline-schedule auto` and `--partition-method profile`: measure this model's layers on the ranks of
+this job, then choose the schedule and the cut (schedules/planner/), before the model is built.
+
+- `layer_builders(args)`: the model's layers as (class name, build) pairs, built one at a time;
+- `measure(args, cfg, batch_of)`: every rank measures every layer at once (the cores as busy as when
+  training), the ranks' medians per layer make the profile; p2p between ranks 0 and 1; every rank gets
+  the same Profile;
+- `plan(args, cfg, batch_of, rank)`: fills in `args.pipeline_schedule`, `args.virtual_stages`,
+  `args.partition_method` and `args.partition_weights` (the cut balanced on the measured costs), and
+  has rank 0 print the ranked table, one line per candidate kept, and the pick.
+
+Every rank computes the same choice from the same gathered profile, so no rank waits on another's
+verdict, and a budget nothing fits is refused on every rank alike (UsageError, one line).
+"""
+import os
+import time
+
+from faults import UsageError
+
+
+def wanted(args):
+    """Whether this run profiles its layers before building the model."""
+    return args.pipeline_parallel_size >= 2 and (args.pipeline_schedule == "auto"
+                                                  or (args.partition_method or "").lower() == "profile")
+
+
+def layer_builders(args):
+    """[(class name, build())] of the model's layers in forward order, as the pipeline cuts them."""
+    from dataclasses import replace
+
+    from layers import build_layer
+    if args.model == "deep":
+        import deep_model
+        specs = deep_model.layer_specs(deep_model.DeepConfig(width=args.deep_width, depth=args.deep_depth,
+                                                             seed=args.seed))
+        seed = args.seed
+    else:
+        import gptlite
+        config = gptlite.MODEL_SIZES[args.model_size]
+        config = replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed)
+        specs, seed = gptlite.layer_specs(config), config.seed
+    return [(cls.__name__, lambda i=i: build_layer(specs, i, seed)) for i, (cls, _) in enumerate(specs)]
+
+
+def loss_function(args):
+    if args.model == "deep":
+        from deep_model import mse_loss
+        return mse_loss
+    from gptlite import CrossEntropyLoss_FlatView
+    return CrossEntropyLoss_FlatView
+
+
+def optimizer_factory(cfg):
+    """params -> the torch optimizer the run's config builds (DeepSpeed's torch_adam AdamW, or SGD)."""
+    import torch
+    opt = cfg.get("optimizer", {})
+    params = {k: v for k, v in opt.get("params", {}).items() if k not in ("torch_adam", "adam_w_mode",
+                                                                            "fp32_optimizer_states")}
+    cls = torch.optim.SGD if str(opt.get("type", "")).lower() == "sgd" else torch.optim.AdamW
+    return lambda parameters: cls(parameters, **params)
+
+
+def measure(args, cfg, batch_of, repeats=3):
+    """The Profile of this model on this job's device and ranks (every rank returns the same one)."""
+    import torch
+    import torch.distributed as dist
+
+    from schedules.planner.profile import Profile, measure_dispatch, measure_layers, measure_p2p, merge
+    started = time.perf_counter()
+    x, y = batch_of("train", 0)
+    bf16 = cfg.get("bf16", {}).get("enabled", False)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    sync = torch.cuda.synchronize if device is not None else (lambda: None)
+    dtype = torch.bfloat16 if bf16 else None
+    if bf16 and x.is_floating_point():
+        x = x.to(dtype)
+    layers, loss = measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
+                                  optimizer=optimizer_factory(cfg), device=device, dtype=dtype, sync=sync)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, (layers, loss))
+        layers, loss = merge(every)
+    message = max(c.output_bytes for c in layers[:-1]) if len(layers) > 1 else 8
+    p2p = measure_p2p(message, device=device) if world > 1 else None
+    dispatch = measure_dispatch(torch.zeros(message // 4 or 1))
+    if world > 1:  # the same dispatch figure on every rank: rank 0's
+        box = [dispatch]
+        dist.broadcast_object_list(box, src=0)
+        dispatch = box[0]
+    meta = {"model": args.model, "model_size": args.model_size if args.model == "gptlite" else None,
+            "deep_width": args.deep_width if args.model == "deep" else None, "deep_depth": args.deep_depth
+            if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
+            "device": str(device or "cpu"), "threads": torch.get_num_threads(), "ranks": world, "repeats": repeats,
+            "seconds": time.perf_counter() - started}
+    profile = Profile(layers, loss, dispatch=dispatch, meta=meta)
+    if p2p is not None:
+        profile.p2p = p2p
+    return profile
+
+
+def plan(args, cfg, batch_of, rank, save=None):
+    """Profile, choose (auto), and set the flags the model and the engine are built from. Returns the
+    Choice (None for --partition-method profile alone)."""
+    from schedules.planner.choose import CUTS, choose, summary, table
+    from schedules.planner.compose import layer_weights
+    started = time.perf_counter()
+    profile = measure(args, cfg, batch_of)
+    if save and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
+        profile.save(save)
+    choice = None
+    if args.pipeline_schedule == "auto":
+        cuts = [args.partition_method.lower()] if args.partition_method else CUTS
+        try:
+            choice = choose(profile, args.pipeline_parallel_size, cfg["gradient_accumulation_steps"],
+                            args.max_activation_memory, cuts=cuts)
+        except ValueError as e:
+            raise UsageError(f"--pipeline-schedule auto: {e}") from None
+        pick = choice.pick
+        args.pipeline_schedule, args.virtual_stages, args.partition_method = \
+            pick.schedule, pick.virtual_stages, pick.method
+        if rank == 0:
+            print("\n".join(["auto: predicted per candidate, fastest first (the simulator on the layers measured "
+                             "here)", *table(choice)]), flush=True)
+    if (args.partition_method or "").lower() == "profile":
+        args.partition_weights = layer_weights(profile, "profile")
+    if rank == 0:
+        took = time.perf_counter() - started
+        line = summary(choice) if choice else (
+            "--partition-method profile: stages balanced on the measured layer costs (ms) "
+            + " ".join(f"{w * 1e3:.1f}" for w in args.partition_weights))
+        print(f"{'auto' if choice else 'profile'}: {line}; profiling and choosing took {took:.1f} s "
+              f"(the profile alone {profile.meta['seconds']:.1f} s)", flush=True)
+    return choice

@@ -1,0 +1,9 @@
+"""The planner: which schedule to run, from measurements of the user's own model on the user's device.
+
+    profile.py   per-layer F, B, W, BW seconds and saved bytes, parameters, optimizer step, output bytes;
+                 p2p latency and per-byte cost between ranks; the framework's own work per pass (JSON)
+    compose.py   a cut of the layers and a placement -> the simulator's costs and memory per (rank, chunk)
+    choose.py    every trainable schedule x v x cut simulated, filtered by a memory budget, ranked
+
+It reads the registry and the simulator, and the deferrable Linear's B / W split; it never builds an engine.
+"""

@@ -1,0 +1,171 @@
+"""Choose a pipeline schedule for a run from a per-layer profile: every registered trainable schedule
+(interleaved with each valid v), on every cut of the layers, simulated with the costs composed from the
+profile; those whose predicted peak activation memory on some rank exceeds the budget dropped; the rest
+ranked by predicted step time. The first is the pick.
+
+    choice = choose(profile, stages=2, micro_batches=8, max_activation_memory=None)
+    choice.pick.schedule, choice.pick.virtual_stages, choice.pick.cut    # what to train with
+    print("\\n".join(table(choice)))
+
+A predicted step is the simulator's synchronised step (train_batch's: every rank starts together) plus
+the time outside the schedule that differs between candidates: the optimizer step of the rank that
+holds the most, and the mirror placement's gradient all-reduce. What every candidate pays alike (the
+loss broadcast, gradient clipping's norm) is left out: it does not change the order.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+from schedules.errors import ScheduleError
+from schedules.planner.compose import CUTS, compose, cut
+from schedules.registry import schedule_spec, trainable_schedules
+from schedules.simulator.simulate import simulate
+
+MiB = 1 << 20
+
+
+class NoScheduleFits(ValueError):
+    """No candidate's predicted peak activation memory is within the budget."""
+
+
+@dataclass
+class Candidate:
+    schedule: str
+    virtual_stages: Optional[int]
+    cut: str  # the partition method (methods giving the same cut are joined by '=')
+    parts: list  # layer boundaries of the model stages
+    step: float = 0.0  # predicted seconds per step: span + outside
+    span: float = 0.0  # the simulator's synchronised makespan
+    outside: float = 0.0
+    bubble: list = field(default_factory=list)  # idle fraction of the span per rank
+    peak: list = field(default_factory=list)  # predicted peak activation bytes per rank
+    params: list = field(default_factory=list)  # parameters per rank
+
+    @property
+    def label(self):
+        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages else "")
+
+    @property
+    def method(self):
+        """The partition method to build the model with (the first of equivalent ones)."""
+        return self.cut.split('=')[0]
+
+
+@dataclass
+class Choice:
+    stages: int
+    micro_batches: int
+    budget: Optional[float]  # MiB
+    ranked: list  # Candidates within the budget, fastest first
+    dropped: list  # Candidates over the budget, least memory first
+    skipped: list  # (label, reason): what the schedule's constraints or the layer count exclude
+
+    @property
+    def pick(self):
+        return self.ranked[0]
+
+
+def _variants(name, stages, layers):
+    """(virtual stages, registry row) of schedule `name`: each valid v for a schedule that takes one."""
+    spec = schedule_spec(name)
+    if not hasattr(spec.factory, 'with_virtual_stages'):
+        return [(None, spec)]
+    return [(v, schedule_spec(name, v)) for v in range(2, max(2, layers // stages) + 1)]
+
+
+def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None):
+    """([Candidate] simulated, [(label, reason)] excluded) for every schedule, v and distinct cut."""
+    out, skipped = [], []
+    n = len(profile.layers)
+    for name in schedules or trainable_schedules():
+        for v, spec in _variants(name, stages, n):
+            label = name + (f" v={v}" if v else "")
+            try:
+                spec.factory(micro_batches=micro_batches, stages=stages, stage_id=0)
+            except ValueError as e:
+                skipped.append((label, str(e)))
+                continue
+            placement = spec.placement(stages)
+            if placement.num_stages > n:
+                skipped.append((label, f"cuts the model into {placement.num_stages} stages; it has {n} layers"))
+                continue
+            by_parts = {}
+            for method in cuts:
+                parts = cut(profile, method, placement.num_stages)
+                if any(a == b for a, b in zip(parts, parts[1:])):
+                    skipped.append((f"{label} ({method})", "a model stage gets no layer"))
+                    continue
+                by_parts.setdefault(tuple(parts), []).append(method)
+            for parts, methods in by_parts.items():
+                try:
+                    out.append(_simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches))
+                except (ValueError, ScheduleError) as e:
+                    skipped.append((label, str(e).splitlines()[0]))
+    return out, skipped
+
+
+def _simulated(profile, spec, v, method, parts, placement, micro_batches):
+    figures = compose(profile, placement, parts)
+    p2p = profile.p2p
+    result = simulate(spec.factory, placement.ranks, micro_batches, placement=spec.placement,
+                      costs=figures['costs'], memory=figures['memory'],
+                      latency=p2p['latency'] + p2p['per_byte'] * figures['message_bytes'],
+                      p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch, iterations=1)
+    outside = max(figures['outside'])
+    return Candidate(spec.name, v, method, parts, result.makespan + outside, result.makespan, outside,
+                     [row['idle_synced'] / result.makespan for row in result.per_rank],
+                     [row['peak_activation_memory'] for row in result.per_rank], figures['params'])
+
+
+def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None):
+    """The ranked Choice for `stages` pipeline ranks and `micro_batches` per step; `max_activation_memory`
+    in MiB per rank (None: no limit). Raises ValueError for p < 2, NoScheduleFits when nothing is within
+    the budget (naming the least memory any candidate needs)."""
+    if stages < 2:
+        raise ValueError(f"choosing a pipeline schedule needs at least 2 pipeline stages, not {stages}")
+    if micro_batches < 1:
+        raise ValueError(f"{micro_batches} micro-batches: need at least 1")
+    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules)
+    if not found:
+        raise ValueError(f"no schedule runs at p = {stages}, m = {micro_batches}: "
+                         + "; ".join(f"{label}: {why}" for label, why in skipped[:3]))
+    budget = None if max_activation_memory is None else max_activation_memory * MiB
+    fits = [c for c in found if budget is None or max(c.peak) <= budget]
+    over = sorted((c for c in found if c not in fits), key=lambda c: (max(c.peak), c.step))
+    if not fits:
+        least = over[0]
+        raise NoScheduleFits(f"--max-activation-memory {max_activation_memory:g} MiB: no schedule fits at "
+                             f"p = {stages}, m = {micro_batches}; the least predicted peak is "
+                             f"{max(least.peak) / MiB:.1f} MiB ({least.label}, {least.method} cut): raise the "
+                             f"budget to at least that, or use fewer micro-batches per step")
+    ranked = sorted(fits, key=lambda c: (c.step, max(c.peak), c.label, c.cut))
+    return Choice(stages, micro_batches, max_activation_memory, ranked, over, skipped)
+
+
+def table(choice, limit=None):
+    """The ranked table as lines: one per candidate kept (the first is the pick), then what was dropped."""
+    lines = [f"{'#':>3} {'schedule':18} {'cut':28} {'step ms':>8} {'span ms':>8}  {'bubble per rank':18}  "
+             f"{'peak MiB per rank':18}  params (M) per rank"]
+    for i, c in enumerate(choice.ranked[:limit]):
+        bubble = " ".join(f"{b:5.1%}" for b in c.bubble)
+        peak = " ".join(f"{b / MiB:.1f}" for b in c.peak)
+        params = " ".join(f"{n / 1e6:.2f}" for n in c.params)
+        lines.append(f"{i + 1:>3} {c.label:18} {c.cut:28} {c.step * 1e3:8.1f} {c.span * 1e3:8.1f}  {bubble:18}  "
+                     f"{peak:18}  {params}")
+    if limit is not None and len(choice.ranked) > limit:
+        lines.append(f"    ... {len(choice.ranked) - limit} more")
+    if choice.dropped:
+        lines.append(f"    dropped {len(choice.dropped)} over --max-activation-memory {choice.budget:g} MiB "
+                     f"(least: {choice.dropped[0].label}, {max(choice.dropped[0].peak) / MiB:.1f} MiB)")
+    return lines
+
+
+def summary(choice):
+    """One line: what was chosen and why."""
+    pick = choice.pick
+    other = next((c for c in choice.ranked[1:] if c.label != pick.label), None)
+    why = (f"{other.step / pick.step - 1:.1%} faster than the next schedule ({other.label})" if other
+           else "the only schedule that fits")
+    budget = "" if choice.budget is None else \
+        f", peak {max(pick.peak) / MiB:.1f} MiB within --max-activation-memory {choice.budget:g} MiB"
+    return (f"chose {pick.label} with the {pick.method} cut (layers {pick.parts}) at p = {choice.stages}, "
+            f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step, {why}{budget}")

@@ -1,0 +1,86 @@
+"""From a per-layer profile to what the simulator takes for one cut and one placement: the costs and the
+saved-bytes changes of every (rank, chunk), the parameters per rank, the largest message, and the time
+outside the schedule (the optimizer step, the mirror placement's gradient sum).
+
+A cut is the list of layer boundaries of the model stages, as DeepSpeed's PipelineModule keeps it
+(`parts`): stage s holds layers parts[s] to parts[s+1]-1. `cut(profile, method, stages)` computes it
+the way the module will: DeepSpeed's own `uniform`, `parameters` and `type:NAME` methods, and `profile`,
+balanced on the measured per-layer costs (what `partition_weights` makes LayerPipe do).
+"""
+import re
+
+from schedules.planner.profile import KINDS, STATES
+
+CUTS = ('uniform', 'parameters', 'profile')
+
+
+def layer_weights(profile, method):
+    """The per-layer weights a method balances (None for `uniform`)."""
+    method = method.lower()
+    if method == 'uniform':
+        return None
+    if method == 'parameters':
+        return [c.params for c in profile.layers]
+    if method == 'profile':
+        weights = [c.cost for c in profile.layers]
+        if profile.loss is not None:  # the loss runs on the last stage
+            weights[-1] += profile.loss.cost
+        return weights
+    if method.startswith('type:'):
+        return [1 if re.search(method[5:], c.name, re.IGNORECASE) else 0 for c in profile.layers]
+    raise ValueError(f"unknown partition method {method!r}: choose uniform, parameters, profile or type:NAME")
+
+
+def cut(profile, method, stages):
+    """Layer boundaries of `stages` model stages, as DeepSpeed's PipelineModule computes them."""
+    from deepspeed.runtime import utils as ds_utils
+    weights = layer_weights(profile, method)
+    n = len(profile.layers)
+    parts = ds_utils.partition_uniform(n, stages) if weights is None else \
+        ds_utils.partition_balanced(weights=weights, num_parts=stages)
+    return [int(b) for b in parts]
+
+
+def stage_layers(parts, stage):
+    return range(parts[stage], parts[stage + 1])
+
+
+def _chunk_state(costs, state):
+    """Bytes saved after `state` by a run of layers: their own, less each storage two neighbours share."""
+    total = sum(c.saved[state][0] for c in costs)
+    shared = sum(a.saved[state][2] for a, b in zip(costs, costs[1:]) if a.saved[state][2] and b.saved[state][1])
+    return total - shared
+
+
+def chunk_figures(profile, layers, last):
+    """({kind: seconds}, {kind: saved-bytes change}) of a chunk running `layers` (plus the loss if `last`)."""
+    costs = [profile.layers[i] for i in layers] + ([profile.loss] if last and profile.loss is not None else [])
+    seconds = {k: sum(getattr(c, k) for c in costs) for k in KINDS}
+    live = {s: _chunk_state(costs, s) for s in STATES}
+    memory = {'F': live['F'], 'B': live['B'] - live['F'], 'W': live['W'] - live['B'], 'BW': -live['F']}
+    return seconds, memory
+
+
+def compose(profile, placement, parts):
+    """What the simulator needs for `placement` (an instance) with the model cut at `parts`:
+    {'costs', 'memory'} keyed (rank, chunk), per rank 'params' and 'param_bytes', 'message_bytes' (the
+    largest activation crossing a stage boundary), and 'outside' (per rank seconds of the optimizer step,
+    plus the mirror placement's all-reduce of a rank's gradients with its mirror's)."""
+    last = placement.num_stages - 1
+    costs, memory = {}, {}
+    params, param_bytes, optimizer = [0] * placement.ranks, [0] * placement.ranks, [0.0] * placement.ranks
+    for r in range(placement.ranks):
+        for c in range(placement.chunks):
+            stage = placement.stage(r, c)
+            layers = stage_layers(parts, stage)
+            costs[(r, c)], memory[(r, c)] = chunk_figures(profile, layers, stage == last)
+            params[r] += sum(profile.layers[i].params for i in layers)
+            param_bytes[r] += sum(profile.layers[i].param_bytes for i in layers)
+            optimizer[r] += sum(profile.layers[i].optimizer for i in layers)
+    message = max((profile.layers[parts[s] - 1].output_bytes for s in range(1, len(parts) - 1)), default=0)
+    outside = list(optimizer)
+    if hasattr(placement, 'holders'):  # the mirror: one all-reduce of every gradient with the mirrored rank
+        p2p = profile.p2p
+        outside = [o + 2 * (p2p['latency'] + p2p['per_byte'] * b) for o, b in zip(outside, param_bytes)]
+    return {'costs': costs, 'memory': memory, 'params': params, 'param_bytes': param_bytes,
+            'message_bytes': message, 'outside': outside}

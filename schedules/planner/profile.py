@@ -1,0 +1,307 @@
+"""The profile the chooser plans from: what each layer of a model costs on this device, measured once,
+composable into the cost of any cut of the layer list into stages and chunks (compose.py).
+
+Per layer (and for the loss, measured as one more layer after the last), on one micro-batch:
+
+- `F`, `B`, `W`, `BW`: seconds of the forward, the input-gradient pass, the weight-gradient pass and the
+  fused backward. B and W are split as the engines split them: B is the backward inside
+  `defer_weight_grads()`, W is `apply_weight_grads` of what it queued (schedules/runtime/weight_grad.py).
+- `saved`: bytes saved for backward (the engines' tracker convention, `SavedTensorTracker`: each storage
+  once, parameters not counted, deferred W work counted until W runs) after the F, after the B and after
+  the W, each as `[total, of which the layer's input storage, of which its output storage]`: where two
+  layers meet in one chunk the storage one saves as its output and the next as its input is one storage,
+  counted once (compose.py).
+- `params`, `param_bytes`, `output_bytes` (what a cut after this layer sends), `optimizer`: seconds of
+  one optimizer step over the layer's parameters.
+
+Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, and the time a send
+and a receive take on their own rank) and `dispatch` (the framework's work around each pass that a
+layer's own timing misses). Times are medians over `repeats` timed runs after a warm-up.
+
+Only torch: this file never builds an engine. `measure_layers` runs on every rank of a job at once
+(each rank measures every layer, so the cores are as busy as in training); `merge` takes the per-layer
+median over the ranks; `measure_p2p` needs the process group. `Profile.save` / `load` write JSON.
+"""
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+KINDS = ('F', 'B', 'W', 'BW')
+STATES = ('F', 'B', 'W')  # the saved bytes after each pass of the split backward
+
+
+@dataclass
+class LayerCost:
+    name: str
+    F: float
+    B: float
+    W: float
+    BW: float
+    saved: dict  # state -> [total, input's storage, output's storage] bytes
+    params: int = 0
+    param_bytes: int = 0
+    output_bytes: int = 0
+    optimizer: float = 0.0
+
+    @property
+    def cost(self):
+        """Seconds of its forward and backward: what a cut balanced on measured costs balances."""
+        return self.F + self.BW
+
+
+@dataclass
+class Profile:
+    layers: list  # LayerCost, in forward order
+    loss: Optional[LayerCost] = None  # the loss, after the last layer (on the last stage)
+    p2p: dict = field(default_factory=lambda: {'latency': 0.0, 'per_byte': 0.0, 'send': 0.0, 'recv': 0.0})
+    dispatch: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self):
+        return {'version': 1, 'meta': self.meta, 'p2p': self.p2p, 'dispatch': self.dispatch,
+                'layers': [asdict(c) for c in self.layers], 'loss': asdict(self.loss) if self.loss else None}
+
+    @classmethod
+    def from_json(cls, data):
+        if data.get('version') != 1 or 'layers' not in data:
+            raise ValueError("not a layer profile (version 1): write one with scripts/choose_schedule.py --save")
+        loss = LayerCost(**data['loss']) if data.get('loss') else None
+        return cls([LayerCost(**c) for c in data['layers']], loss, dict(data['p2p']), data['dispatch'],
+                   data.get('meta', {}))
+
+    def save(self, path):
+        with open(path, 'w') as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    @classmethod
+    def synthetic(cls, layers, F=1.0, B=1.0, W=1.0, saved=1.0, params=1, optimizer=0.0, latency=0.0):
+        """`layers` identical layers in units: each saves `saved` in its forward, B frees half, W the rest
+        (the published convention), one parameter each. For tests and for reasoning in closed forms."""
+        state = {'F': [saved, 0, 0], 'B': [saved / 2, 0, 0], 'W': [0, 0, 0]}
+        cost = [LayerCost(f'L{i}', F, B, W, B + W, {k: list(v) for k, v in state.items()}, params, 4 * params, 0,
+                          optimizer) for i in range(layers)]
+        return cls(cost, None, {'latency': latency, 'per_byte': 0.0, 'send': 0.0, 'recv': 0.0}, 0.0,
+                   {'synthetic': True})
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring layers
+
+def _median_times(run, repeats, sync):
+    """Median seconds of each phase `run()` reports, after one warm-up run."""
+    run()
+    times = []
+    for _ in range(repeats):
+        sync()
+        times.append(run())
+    return [statistics.median(t[i] for t in times) for i in range(len(times[0]))]
+
+
+def _tensors(out):
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out, )) if hasattr(t, 'requires_grad')]
+
+
+def _backward(out):
+    import torch
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+def _fresh(x):
+    """The layer's input as a stage receives it: a leaf, needing a gradient when it is a float tensor."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_fresh(t) for t in x)
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def _nbytes(out):
+    return sum(t.numel() * t.element_size() for t in _tensors(out))
+
+
+def _storage_bytes(tracker, x):
+    return sum(tracker.bytes_of(t) for t in _tensors(x))
+
+
+def measure_layer(layer, x, name, repeats=3, optimizer=None, sync=lambda: None, call=None):
+    """One layer's LayerCost on input `x` (its output is returned too, the next layer's input).
+    `call(layer, x)` runs the forward (default `layer(x)`), e.g. a loss against its target."""
+    from schedules.observe.memory import SavedTensorTracker
+    from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+    call = call or (lambda mod, inp: mod(inp))
+    now = time.perf_counter
+
+    def split():
+        inp = _fresh(x)
+        t0 = now()
+        out = call(layer, inp)
+        sync()
+        t1 = now()
+        with defer_weight_grads() as queue:
+            _backward(out)
+        sync()
+        t2 = now()
+        apply_weight_grads(queue)
+        sync()
+        return t1 - t0, t2 - t1, now() - t2
+
+    def fused():
+        inp = _fresh(x)
+        out = call(layer, inp)
+        sync()
+        t0 = now()
+        _backward(out)
+        sync()
+        return (now() - t0, )
+
+    f, b, w = _median_times(split, repeats, sync)
+    bw, = _median_times(fused, repeats, sync)
+    params = [p for p in layer.parameters() if p.requires_grad] if hasattr(layer, 'parameters') else []
+    saved = {}
+    with SavedTensorTracker(ignore=params) as tracker:
+        inp = _fresh(x)
+        out = call(layer, inp)
+
+        def state():
+            return [tracker.live_bytes, _storage_bytes(tracker, inp), _storage_bytes(tracker, out)]
+        saved['F'] = state()
+        with defer_weight_grads() as queue:
+            _backward(out)
+        saved['B'] = state()
+        apply_weight_grads(queue)
+        saved['W'] = state()
+    step = 0.0
+    if params and optimizer is not None:
+        opt = optimizer(params)
+
+        def optimizer_step():
+            t0 = now()
+            opt.step()
+            sync()
+            return (now() - t0, )
+        step, = _median_times(optimizer_step, repeats, sync)
+    import torch
+    with torch.no_grad():
+        nxt = call(layer, x)
+    return LayerCost(name, f, b, w, bw, saved, sum(p.numel() for p in params),
+                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step), \
+        _detached(nxt)
+
+
+def _detached(out):
+    if isinstance(out, (tuple, list)):
+        return type(out)(t.detach() if hasattr(t, 'detach') else t for t in out)
+    return out.detach()
+
+
+def measure_layers(builders, sample, loss_fn=None, target=None, repeats=3, optimizer=None, device=None,
+                   dtype=None, sync=lambda: None):
+    """[LayerCost] of every layer, then the loss's (or None): `builders` are (name, build) pairs, each
+    building one layer (built one at a time, freed after); `sample` is the first layer's input, one
+    micro-batch; `optimizer(params)` builds the run's optimizer over some parameters."""
+    x = sample.to(device) if device is not None else sample
+    costs = []
+    for name, build in builders:
+        layer = build()
+        if device is not None or dtype is not None:
+            layer = layer.to(device=device, dtype=dtype)
+        cost, x = measure_layer(layer, x, name, repeats, optimizer, sync)
+        costs.append(cost)
+        del layer
+    loss = None
+    if loss_fn is not None:
+        tgt = target.to(device) if device is not None else target
+        loss, _ = measure_layer(None, x, 'loss', repeats, None, sync, call=lambda _, inp: loss_fn(inp, tgt))
+    return costs, loss
+
+
+def merge(per_rank):
+    """One profile's layers from several ranks' measurements of the same layers: the median of each time
+    (bytes and counts are the same on every rank)."""
+    first = per_rank[0]
+
+    def med(costs):
+        if costs[0] is None:
+            return None
+        times = {k: statistics.median(getattr(c, k) for c in costs) for k in KINDS + ('optimizer', )}
+        return LayerCost(**{**asdict(costs[0]), **times})
+    layers = [med([r[0][i] for r in per_rank]) for i in range(len(first[0]))]
+    return layers, med([r[1] for r in per_rank])
+
+
+# ----------------------------------------------------------------------------------------------
+# The job: point-to-point messages and the engine's own work per pass
+
+def measure_p2p(nbytes, repeats=20, device=None):
+    """{'latency', 'per_byte', 'send', 'recv'} between ranks 0 and 1 of the default process group: one-way
+    time of a 4-byte and of an `nbytes` message by ping-pong (latency, and the slope per byte), the time
+    posting a send of `nbytes` takes on its rank, and the time a receive takes once its sender waits.
+    Every rank of the group calls it, and gets the same figures."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    nbytes = max(int(nbytes), 8)
+    small, big = (torch.zeros(n // 4, device=device) for n in (4, nbytes))
+
+    def ping_pong(x):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+            times.append((time.perf_counter() - t0) / 2)
+        return statistics.median(times)
+
+    dist.barrier()
+    ping_pong(small)  # warm-up: connections
+    lat_small, lat_big = ping_pong(small), ping_pong(big)
+    sends, recvs = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            work = dist.isend(big, 1)
+            sends.append(time.perf_counter() - t0)
+            work.wait()
+        elif rank == 1:
+            time.sleep(0.002)  # the sender is waiting when the receive is posted
+            t0 = time.perf_counter()
+            dist.recv(big, 0)
+            recvs.append(time.perf_counter() - t0)
+    mine = [lat_small, (lat_big - lat_small) / max(nbytes - 4, 1), statistics.median(sends) if sends else 0.0,
+            statistics.median(recvs) if recvs else 0.0]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # every rank gets rank 0's and rank 1's figures
+    return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2], 'recv': every[1][3]}
+
+
+def measure_dispatch(activation, repeats=50):
+    """Seconds of the framework's own work around one pass that a layer's timing leaves out, estimated
+    without an engine: taking the input in as a leaf, copying the output into a buffer and starting
+    autograd's backward on a one-op graph. A lower estimate: a traced run (trace.measured_dispatch)
+    measures the engine's full instruction loop."""
+    import torch
+    x = activation.detach()
+    if not x.is_floating_point():
+        x = x.float()
+
+    def once():
+        t0 = time.perf_counter()
+        inp = x.detach().requires_grad_()
+        out = inp * 1.0
+        kept = out.clone()
+        torch.autograd.backward(out.sum())
+        del kept
+        return (time.perf_counter() - t0, )
+    return _median_times(once, repeats, lambda: None)[0]

@@ -1,0 +1,155 @@
+"""The planner (schedules/planner/): the chooser on synthetic profiles picks what the closed forms say, a
+memory budget is honoured or refused in one line, and per-layer measurements compose into exactly what a
+chunk of those layers saves. Fast tier: no processes."""
+import pytest
+import torch
+
+import schedules
+from schedules.planner.choose import MiB, NoScheduleFits, choose, summary, table
+from schedules.planner.compose import chunk_figures, cut
+from schedules.planner.profile import Profile, measure_layers
+from schedules.registry import trainable_schedules
+
+P, M, LAYERS = 4, 8, 16
+UNIT = MiB / (LAYERS // P)  # per layer: one micro-batch on a 1/p stage saves 1 MiB (one unit)
+V_SCHEDULES = {"zb-v", "dualpipev", "v-half", "v-min"}  # V placement, zero bubble at F = B = W for zb-v
+
+
+def synthetic():
+    """Equal F = B = W: one micro-batch through a 1/p stage costs 1 per pass and saves 1 MiB."""
+    share = P / LAYERS
+    return Profile.synthetic(LAYERS, F=share, B=share, W=share, saved=UNIT, optimizer=1e-3)
+
+
+def test_equal_f_b_w_unlimited_memory_picks_a_zero_bubble_v_schedule():
+    choice = choose(synthetic(), P, M)
+    assert choice.pick.schedule == "zb-v"
+    # the closed forms of the synchronised step: ZB-V idles (p-1)/2 per rank, 1F1B 3(p-1)
+    by_name = {c.label: c for c in choice.ranked}
+    assert by_name["zb-v"].span == pytest.approx(3 * M + (P - 1) / 2)
+    assert by_name["1f1b"].span == pytest.approx(3 * M + 3 * (P - 1))
+    assert {c.schedule for c in choice.ranked} <= set(trainable_schedules())
+
+
+def test_a_budget_of_half_1f1b_memory_picks_v_half_or_less():
+    """p/2 units: only the controllable-memory V schedules fit; without them registered, one clear refusal."""
+    budget = P / 2  # MiB = units here
+    lean = {"v-half", "v-min"} & set(trainable_schedules())
+    if lean:
+        choice = choose(synthetic(), P, M, max_activation_memory=budget)
+        assert choice.pick.schedule in lean and max(choice.pick.peak) <= budget * MiB
+    else:
+        with pytest.raises(NoScheduleFits, match="--max-activation-memory 2 MiB: no schedule fits"):
+            choose(synthetic(), P, M, max_activation_memory=budget)
+
+
+def test_a_budget_of_1f1b_memory_drops_zb_h2_and_keeps_the_v():
+    choice = choose(synthetic(), P, M, max_activation_memory=P)  # 1F1B's peak: p units on rank 0
+    assert all(max(c.peak) <= P * MiB for c in choice.ranked)
+    assert "zb-h2" in {c.schedule for c in choice.dropped}
+    assert choice.pick.schedule == "zb-v" and max(choice.pick.peak) == pytest.approx(P * MiB)
+    assert "within --max-activation-memory 4 MiB" in summary(choice)
+    assert table(choice)[-1].lstrip().startswith("dropped")
+
+
+def test_a_budget_below_every_candidate_is_one_line_naming_the_least():
+    with pytest.raises(NoScheduleFits) as error:
+        choose(synthetic(), P, M, max_activation_memory=0.5)
+    message = str(error.value)
+    assert "\n" not in message and "least predicted peak is" in message and "MiB" in message
+
+
+@pytest.mark.parametrize("stages", [0, 1])
+def test_one_stage_is_refused(stages):
+    with pytest.raises(ValueError, match="at least 2 pipeline stages"):
+        choose(synthetic(), stages, M)
+
+
+def test_the_head_heavy_model_goes_to_the_mirror():
+    """A last layer costing more than the rest (GPTlite's head): only the mirror placement shares it, so
+    DualPipe wins at p = 2 however the cut is balanced."""
+    profile = Profile.synthetic(6, saved=UNIT)
+    head = profile.layers[-1]
+    head.F, head.B, head.W, head.BW = 10.0, 10.0, 10.0, 20.0
+    choice = choose(profile, 2, 4)
+    assert choice.pick.schedule == "dualpipe"
+    assert cut(profile, "profile", 2) == [0, 5, 6]  # balanced on the measured costs: the head alone
+    assert cut(profile, "uniform", 2) == [0, 3, 6]
+
+
+def test_the_library_entry_point_reads_a_profile_file(tmp_path):
+    path = tmp_path / "profile.json"
+    synthetic().save(path)
+    assert Profile.load(path).to_json() == synthetic().to_json()
+    assert schedules.choose(str(path), P, M).pick.schedule == "zb-v"
+
+
+def _deep_layers(width, depth):
+    from deep_model import DeepBlock
+    torch.manual_seed(0)
+    return [DeepBlock(width) for _ in range(depth)]
+
+
+def test_measured_layers_compose_into_what_the_chunk_saves():
+    """Four Linear + ReLU layers measured one by one, composed into one chunk: the bytes it saves after
+    its forward, after B and after W are those of the four run as one chunk (the storage two neighbours
+    share counted once), as the tracker counts them."""
+    from deep_model import mse_loss
+    from schedules.observe.memory import SavedTensorTracker
+    from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+    width, rows = 64, 8
+    layers = _deep_layers(width, 4)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    costs, loss = measure_layers([(type(m).__name__, lambda m=m: m) for m in layers], x, mse_loss, y, repeats=1)
+    profile = Profile(costs, loss)
+    _, memory = chunk_figures(profile, range(4), last=True)
+
+    params = [p for m in layers for p in m.parameters()]
+    with SavedTensorTracker(ignore=params) as tracker:
+        h = x.clone().requires_grad_()
+        for m in layers:
+            h = m(h)
+        out = mse_loss(h, y)
+        after_f = tracker.live_bytes
+        with defer_weight_grads() as queue:
+            out.backward()
+        after_b = tracker.live_bytes
+        apply_weight_grads(queue)
+        after_w = tracker.live_bytes
+    assert memory["F"] == after_f
+    assert memory["B"] == after_b - after_f
+    assert memory["W"] == after_w - after_b
+    assert memory["BW"] == -after_f
+    assert all(c.F > 0 and c.B > 0 and c.W > 0 and c.BW > 0 for c in costs)
+    assert costs[0].params == width * width + width and costs[0].output_bytes == rows * width * 4
+
+
+AUTO = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "auto", "--model-size", "tiny",
+        "--gradient-accumulation-steps", "4", "--micro-batch-size", "2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_train_auto_profiles_chooses_says_why_and_trains():
+    from local_launch import launch
+    run = launch(2, AUTO + ["--steps", "2"], timeout=120)
+    assert run.ok, run.explain()
+    out = run.stdout[0]
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    chose = [line for line in out.splitlines() if line.startswith("auto: chose ")]
+    assert rows and len(chose) == 1, out
+    picked = rows[0].split()[1]
+    assert chose[0].startswith(f"auto: chose {picked} ") and "profiling and choosing took" in chose[0]
+    assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
+    assert "auto:" not in run.stdout[1]  # rank 0 alone says it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_train_auto_with_a_budget_nothing_fits_is_one_line():
+    from local_launch import launch
+    from training import assert_one_error_line
+    run = launch(2, AUTO + ["--steps", "1", "--max-activation-memory", "0.001"], timeout=120)
+    assert set(run.returncodes) == {2}, run.explain()
+    assert_one_error_line(2, run.stderr[0], "--max-activation-memory 0.001 MiB: no schedule fits",
+                          others=run.stderr[1:])
