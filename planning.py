@@ -2,9 +2,9 @@
 this job, then choose the schedule and the cut (schedules/planner/), before the model is built.
 
 - `layer_builders(args)`: the model's layers as (class name, build) pairs, built one at a time;
-- `measure(args, cfg, batch_of)`: every rank measures every layer at once (the cores as busy as when
-  training), the ranks' medians per layer make the profile; p2p between ranks 0 and 1; every rank gets
-  the same Profile;
+- `measure(args, cfg, batch_of)`: the ranks measure their shares of the layers side by side (the cores as
+  busy as when training) and put them together; p2p between ranks 0 and 1; every rank gets the same
+  Profile;
 - `plan(args, cfg, batch_of, rank)`: fills in `args.pipeline_schedule`, `args.virtual_stages`,
   `args.partition_method` and `args.partition_weights` (the cut balanced on the measured costs), and
   has rank 0 print the ranked table, one line per candidate kept, and the pick.
@@ -60,12 +60,12 @@ def optimizer_factory(cfg):
     return lambda parameters: cls(parameters, **params)
 
 
-def measure(args, cfg, batch_of, repeats=3):
+def measure(args, cfg, batch_of, repeats=7):
     """The Profile of this model on this job's device and ranks (every rank returns the same one)."""
     import torch
     import torch.distributed as dist
 
-    from schedules.planner.profile import Profile, measure_dispatch, measure_layers, measure_p2p, merge
+    from schedules.planner import profile as planner
     started = time.perf_counter()
     x, y = batch_of("train", 0)
     bf16 = cfg.get("bf16", {}).get("enabled", False)
@@ -74,16 +74,21 @@ def measure(args, cfg, batch_of, repeats=3):
     dtype = torch.bfloat16 if bf16 else None
     if bf16 and x.is_floating_point():
         x = x.to(dtype)
-    layers, loss = measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
-                                  optimizer=optimizer_factory(cfg), device=device, dtype=dtype, sync=sync)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world > 1:
+        dist.barrier()  # the ranks measure side by side from the start
+    layers, loss = planner.measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
+                                  optimizer=optimizer_factory(cfg), device=device, dtype=dtype, sync=sync, rank=rank,
+                                  world=world)
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, (layers, loss))
-        layers, loss = merge(every)
+        layers, loss = planner.merge(every)
+    layers = planner.pool_identical(layers)
     message = max(c.output_bytes for c in layers[:-1]) if len(layers) > 1 else 8
-    p2p = measure_p2p(message, device=device) if world > 1 else None
-    dispatch = measure_dispatch(torch.zeros(message // 4 or 1))
+    p2p = planner.measure_p2p(message, device=device) if world > 1 else None
+    dispatch = planner.measure_dispatch(torch.zeros(message // 4 or 1))
     if world > 1:  # the same dispatch figure on every rank: rank 0's
         box = [dispatch]
         dist.broadcast_object_list(box, src=0)
@@ -93,7 +98,7 @@ def measure(args, cfg, batch_of, repeats=3):
             if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
             "device": str(device or "cpu"), "threads": torch.get_num_threads(), "ranks": world, "repeats": repeats,
             "seconds": time.perf_counter() - started}
-    profile = Profile(layers, loss, dispatch=dispatch, meta=meta)
+    profile = planner.Profile(layers, loss, dispatch=dispatch, meta=meta)
     if p2p is not None:
         profile.p2p = p2p
     return profile

@@ -14,6 +14,7 @@ a missing file leaves its section saying how to produce it):
     split.json      scripts/benchmark_split.py: F, B, W and the fused backward
     p2p.json        scripts/benchmark_p2p.py: a late receive on gloo (128 KiB)
     p2p-512kib.json the same with --kib 512
+    chooser.json    scripts/benchmark_chooser.py: the pick of --pipeline-schedule auto against every schedule measured
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -511,6 +512,83 @@ def p2p_section(docs):
 
 
 # --------------------------------------------------------------------------------------------
+# Choosing a schedule (benchmark_chooser.py)
+# --------------------------------------------------------------------------------------------
+REGRET_TARGET = 0.03  # the pick's measured step within 3% of the best measured schedule
+
+
+def chooser_section(doc):
+    models = doc["models"]
+    rows, worst = [], []
+    for model, entry in models.items():
+        for c in entry["configs"]:
+            rows.append([model, c["micro_batches"], c["pick"], c["best"], ms(c["measured_s"][c["pick"]]),
+                         ms(c["measured_s"][c["best"]]), pct(c["regret"]), f"{c['spearman']:.2f}",
+                         len(c["measured_s"])])
+            worst.append((c["regret"], model, c["micro_batches"]))
+    over = [w for w in worst if w[0] > REGRET_TARGET]
+    verdict = (f"The pick's measured step time is within {pct(max(worst)[0])} of the best measured schedule in every "
+               f"configuration (target: {REGRET_TARGET:.0%})" if not over else
+               f"The pick is within {pct(REGRET_TARGET, 0)} of the best measured schedule in {len(worst) - len(over)} "
+               f"of {len(worst)} configurations; it misses in " +
+               listing(f"{model} at m = {m} ({pct(r)})" for r, model, m in over))
+    profile = listing(f"{model} {entry['profile_s']:.1f} s ({entry['layers']} layers; the launch of the "
+                      f"ranks {entry['profile_launch_s']:.0f} s)" for model, entry in models.items())
+    out = ["## Choosing a schedule", code("python scripts/benchmark_chooser.py --docs"), para(f"""
+        {doc['took_s'] / 60:.0f} minutes on {machine_line(doc['machine'])}, every measurement holding
+        `/tmp/bench.lock`. For each model, 2 ranks profile its layers (`scripts/choose_schedule.py`: {profile});
+        then, for each micro-batch count, the chooser ranks every schedule, v and cut from that profile
+        ([choosing.md](choosing.md)), and one launch measures every trainable schedule side by side on the
+        model's usual cut, plus the pick where it is another v or cut, exactly as in
+        [the side-by-side benchmark](#every-schedule-measured-side-by-side) (deep model: 16 x Linear 1024,
+        micro-batches of 32; GPTlite small: micro-batches of 4). Regret: the pick's measured step time over the
+        best measured one, less 1. Rank correlation: Spearman's, between the predicted and the measured step
+        times of the schedules measured. Raw numbers: [`bench/chooser.json`](bench/chooser.json)."""),
+        table(["model", "m", "pick", "best measured", "pick step ms", "best step ms", "regret", "rank correlation",
+               "schedules measured"], rows), para(verdict + ".")]
+    for model, entry in models.items():
+        keys = []
+        for c in entry["configs"]:
+            keys += [k for k in c["measured_s"] if k not in keys]
+        header = ["schedule"] + [f"m = {c['micro_batches']}: predicted / measured ms" for c in entry["configs"]]
+        body = [[k] + [f"{ms(c['predicted_s'][k])} / {ms(c['measured_s'][k])}" if k in c["measured_s"] else "-"
+                       for c in entry["configs"]] for k in keys]
+        out += [para(f"""{model}: predicted step (the simulator's synchronised step on the composed costs, plus the
+            optimizer step and DualPipe's gradient all-reduce; what every schedule pays alike is left out, so the
+            predicted figures sit below the measured ones by about that) beside the measured step:"""),
+                table(header, body)]
+    budget_rows = []
+    for model, entry in models.items():
+        for b in entry["budgets"]:
+            if "refusal" in b:
+                budget_rows.append([model, b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}", "none",
+                                    "-", "-", b["refusal"]])
+                continue
+            under = all(x <= b["budget_mib"] for x in b["measured_peak_mib"])
+            budget_rows.append([model, b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}", b["pick"],
+                                " / ".join(f"{x:.2f}" for x in b["predicted_peak_mib"]),
+                                " / ".join(f"{x:.2f}" for x in b["measured_peak_mib"]),
+                                "under the budget" if under else "OVER the budget"])
+    if budget_rows:
+        out += [para("""With `--max-activation-memory`: the pick under a budget below the unconstrained pick's
+            predicted peak, and under one below 1F1B's; its peak bytes saved for backward measured in one `train_batch`
+            (the saved-tensor tracker, as in [Activation memory per schedule](#activation-memory-per-schedule)),
+            MiB per rank:"""),
+                table(["model", "m", "budget", "MiB", "pick", "predicted peak", "measured peak", "result"],
+                      budget_rows)]
+    if "demo" in doc:
+        d = doc["demo"]
+        out.append(para(f"""
+            What auto adds: the README's demo (GPTlite small, 2 stages, micro-batches of 8, 4 per step) for
+            {d['steps']} steps with `--pipeline-schedule auto` took {d['wall_s']:.0f} s, of which profiling and
+            choosing {d['plan_s']:.1f} s: {pct(d['added'])} added to the run without it. It said: `{d['chose']}`."""))
+    return blocks(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 # The page
 # --------------------------------------------------------------------------------------------
 HEADER = [
@@ -550,7 +628,7 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            were found by reading them and fixed (the activation-shape message and the W pass's root gradients were
            created on the CPU).""")]
 
-INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json")
+INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json")
 
 
 def missing(title, name, how):
@@ -586,6 +664,8 @@ def render(bench_dir=BENCH_DIR) -> str:
     p2p = [docs[n] for n in ("p2p.json", "p2p-512kib.json") if n in docs]
     parts.append(p2p_section(p2p) if p2p else
                  missing("## A late receive on gloo", "p2p.json", "python scripts/benchmark_p2p.py"))
+    parts.append(chooser_section(docs["chooser.json"]) if "chooser.json" in docs else
+                 missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

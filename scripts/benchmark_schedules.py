@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--what", choices=["throughput", "memory", "both"], default="throughput")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
+    p.add_argument("--schedules", nargs="+", default=None,
+                   help="default: every trainable schedule; NAME:V@CUT for v chunks per rank and a partition method")
     p.add_argument("--model", choices=["deep", "gptlite"], default="deep",
                    help="gptlite: its stages balanced by measured per-layer cost")
     p.add_argument("--model-size", default="small", help="GPTlite size")
@@ -58,21 +59,42 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------
 # Worker: one rank
 # --------------------------------------------------------------------------------------------
-def build_engine(name, args, m):
+def candidate(key):
+    """'NAME[:V][@CUT]' -> (schedule, chunks per rank or None, partition method or None): a schedule as the
+    chooser names its candidates (scripts/benchmark_chooser.py); a plain name is the schedule as registered,
+    on the model's usual cut (the deep model: uniform; GPTlite: balanced on measured layer costs)."""
+    name, _, cut = key.partition("@")
+    name, _, v = name.partition(":")
+    return name, int(v) if v else None, cut or None
+
+
+def spec_of(key):
+    from schedules.registry import schedule_spec
+    name, v, _ = candidate(key)
+    return schedule_spec(name, v)
+
+
+def build_engine(key, args, m):
     import deep_model
     import gptlite
     import schedules
-    pipe = dict(pipeline_num_stages=args.stages, pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name))
+    name, v, cut = candidate(key)
+    pipe = dict(pipeline_num_stages=args.stages, pipeline_spec_layers=True,
+                pipe_module=schedules.pipe_module(name, v))
     if args.model == "gptlite":
-        model = gptlite.get_model(model_size=args.model_size, partition_weights=args.partition_weights, **pipe)
+        weights = args.partition_weights if cut in (None, "profile") else None
+        model = gptlite.get_model(model_size=args.model_size, partition_weights=weights,
+                                  partition_method=cut if cut not in (None, "profile") else "parameters", **pipe)
     else:
-        model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, **pipe)
+        weights = args.partition_weights if cut == "profile" else None
+        model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, partition_weights=weights,
+                                     partition_method=cut if cut not in (None, "profile") else "uniform", **pipe)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
            # torch's fused AdamW: ~4x faster on CPU than its default, so less of each step is not the schedule
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
            "steps_per_print": 10**9}
-    engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
-                                      trace=True)
+    engine, *_ = schedules.initialize(name, virtual_stages=v, model=model, model_parameters=list(model.parameters()),
+                                      config=cfg, trace=True)
     return engine
 
 
@@ -243,12 +265,11 @@ def launch_worker(args, what, m, names):
 def analyse_throughput(ranks, args, m):
     from schedules.observe.plot import plot_measured_vs_predicted
     from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration
-    from schedules.registry import available_schedules
     from schedules.simulator.simulate import simulate
     from schedules.simulator.timeline import Pass, Timeline
     latency = statistics.median(r["latency_s"] for r in ranks)
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
-    cpu = [measured_p2p_cpu(t) for name, t in traces.items() if available_schedules()[name].placement.async_sends]
+    cpu = [measured_p2p_cpu(t) for name, t in traces.items() if spec_of(name).placement.async_sends]
     p2p_cpu = tuple(statistics.median(c[i] for c in cpu) for i in range(2)) if cpu else (0.0, 0.0)
     rows = {}
     for name in ranks[0]["schedules"]:
@@ -260,8 +281,9 @@ def analyse_throughput(ranks, args, m):
         spans, predicted, bubbles, predicted_bubbles = [], [], [[] for _ in ranks], [[] for _ in ranks]
         for i in timeline.iterations():  # each traced step against its prediction from its own costs
             step = one_iteration(timeline, i)
-            pred = simulate(name, args.stages, m, costs=measured_costs(step), latency=latency, p2p_cpu=p2p_cpu,
-                            dispatch=dispatch, iterations=1)
+            spec = spec_of(name)
+            pred = simulate(spec.factory, args.stages, m, placement=spec.placement, costs=measured_costs(step),
+                            latency=latency, p2p_cpu=p2p_cpu, dispatch=dispatch, iterations=1)
             t0, t1 = timeline.span(i)
             spans.append(t1 - t0)
             predicted.append(pred.makespan)
@@ -300,10 +322,13 @@ def analyse_memory(ranks, args, m):
     from schedules.simulator.simulate import simulate
     rows = {}
     for name in ranks[0]["schedules"]:
-        units = [row["peak_activation_memory"] for row in simulate(name, args.stages, m, iterations=1).per_rank]
+        spec = spec_of(name)
+
+        def run(**kw):
+            return simulate(spec.factory, args.stages, m, placement=spec.placement, iterations=1, **kw)
+        units = [row["peak_activation_memory"] for row in run().per_rank]
         table = measured_memory([r["schedules"][name]["memory_deltas"] for r in ranks])
-        predicted = [row["peak_activation_memory"]
-                     for row in simulate(name, args.stages, m, iterations=1, memory=table).per_rank]
+        predicted = [row["peak_activation_memory"] for row in run(memory=table).per_rank]
         saved = [r["schedules"][name]["peak_saved_bytes"] for r in ranks]
         rows[name] = {"peak_saved_bytes": saved,
                       "peak_rss_bytes": [r["schedules"][name]["peak_rss_bytes"] for r in ranks],
@@ -378,7 +403,7 @@ def main(argv=None):
         args.micro_batches = args.micro_batches[:1]
         return worker(args)
     from schedules.observe.memory import machine_line
-    from schedules.registry import available_schedules, schedule_spec
+    from schedules.registry import available_schedules
     machine = machine_line()
     if args.device == "cuda":
         import torch
@@ -389,7 +414,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     report, lines = {"machine": machine, "args": vars(args)}, [machine]
-    if args.model == "gptlite":
+    if args.model == "gptlite" and not args.partition_weights:
         args.partition_weights = gptlite_layer_costs(args)
         lines.append("GPTlite " + args.model_size + ", stages balanced by measured layer cost (ms): " +
                      " ".join(f"{c * 1e3:.1f}" for c in args.partition_weights))
@@ -397,7 +422,7 @@ def main(argv=None):
         names = []
         for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
             try:
-                schedule_spec(name).factory(micro_batches=m, stages=args.stages, stage_id=0)
+                spec_of(name).factory(micro_batches=m, stages=args.stages, stage_id=0)
                 names.append(name)
             except ValueError as e:
                 lines.append(f"m = {m}: {name} skipped: {e}")

@@ -135,7 +135,7 @@ def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS
         least = over[0]
         raise NoScheduleFits(f"--max-activation-memory {max_activation_memory:g} MiB: no schedule fits at "
                              f"p = {stages}, m = {micro_batches}; the least predicted peak is "
-                             f"{max(least.peak) / MiB:.1f} MiB ({least.label}, {least.method} cut): raise the "
+                             f"{max(least.peak) / MiB:.3g} MiB ({least.label}, {least.method} cut): raise the "
                              f"budget to at least that, or use fewer micro-batches per step")
     ranked = sorted(fits, key=lambda c: (c.step, max(c.peak), c.label, c.cut))
     return Choice(stages, micro_batches, max_activation_memory, ranked, over, skipped)
@@ -143,13 +143,13 @@ def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS
 
 def table(choice, limit=None):
     """The ranked table as lines: one per candidate kept (the first is the pick), then what was dropped."""
-    lines = [f"{'#':>3} {'schedule':18} {'cut':28} {'step ms':>8} {'span ms':>8}  {'bubble per rank':18}  "
+    lines = [f"{'#':>3} {'schedule':20} {'cut':28} {'step ms':>8} {'span ms':>8}  {'bubble per rank':18}  "
              f"{'peak MiB per rank':18}  params (M) per rank"]
     for i, c in enumerate(choice.ranked[:limit]):
         bubble = " ".join(f"{b:5.1%}" for b in c.bubble)
         peak = " ".join(f"{b / MiB:.1f}" for b in c.peak)
         params = " ".join(f"{n / 1e6:.2f}" for n in c.params)
-        lines.append(f"{i + 1:>3} {c.label:18} {c.cut:28} {c.step * 1e3:8.1f} {c.span * 1e3:8.1f}  {bubble:18}  "
+        lines.append(f"{i + 1:>3} {c.label:20} {c.cut:28} {c.step * 1e3:8.1f} {c.span * 1e3:8.1f}  {bubble:18}  "
                      f"{peak:18}  {params}")
     if limit is not None and len(choice.ranked) > limit:
         lines.append(f"    ... {len(choice.ranked) - limit} more")
@@ -169,3 +169,14 @@ def summary(choice):
         f", peak {max(pick.peak) / MiB:.1f} MiB within --max-activation-memory {choice.budget:g} MiB"
     return (f"chose {pick.label} with the {pick.method} cut (layers {pick.parts}) at p = {choice.stages}, "
             f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step, {why}{budget}")
+
+
+def to_json(choice):
+    """The Choice as plain data: every candidate kept (ranked) and dropped, with its figures."""
+    def row(c):
+        return {'schedule': c.schedule, 'virtual_stages': c.virtual_stages, 'cut': c.cut, 'parts': c.parts,
+                'step_s': c.step, 'span_s': c.span, 'outside_s': c.outside, 'bubble': c.bubble,
+                'peak_bytes': c.peak, 'params': c.params}
+    return {'stages': choice.stages, 'micro_batches': choice.micro_batches, 'budget_mib': choice.budget,
+            'ranked': [row(c) for c in choice.ranked], 'dropped': [row(c) for c in choice.dropped],
+            'skipped': [list(s) for s in choice.skipped]}

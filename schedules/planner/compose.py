@@ -81,6 +81,8 @@ def compose(profile, placement, parts):
     outside = list(optimizer)
     if hasattr(placement, 'holders'):  # the mirror: one all-reduce of every gradient with the mirrored rank
         p2p = profile.p2p
-        outside = [o + 2 * (p2p['latency'] + p2p['per_byte'] * b) for o, b in zip(outside, param_bytes)]
+        latency, per_byte = (p2p['reduce_latency'], p2p['reduce_per_byte']) if 'reduce_per_byte' in p2p else \
+            (2 * p2p['latency'], 2 * p2p['per_byte'])  # a profile without the all-reduce: a message each way
+        outside = [o + latency + per_byte * b for o, b in zip(outside, param_bytes)]
     return {'costs': costs, 'memory': memory, 'params': params, 'param_bytes': param_bytes,
             'message_bytes': message, 'outside': outside}

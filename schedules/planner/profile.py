@@ -14,13 +14,15 @@ Per layer (and for the loss, measured as one more layer after the last), on one 
 - `params`, `param_bytes`, `output_bytes` (what a cut after this layer sends), `optimizer`: seconds of
   one optimizer step over the layer's parameters.
 
-Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, and the time a send
-and a receive take on their own rank) and `dispatch` (the framework's work around each pass that a
-layer's own timing misses). Times are medians over `repeats` timed runs after a warm-up.
+Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, the time a send and
+a receive take on their own rank, and an all-reduce's latency and cost per byte) and `dispatch` (the
+framework's work around each pass that a layer's own timing misses). Times are the least of 2 to
+`repeats` timed runs (as many as fit 150 ms) after a warm-up run, which also counts the saved bytes; layers
+alike (a model's repeated blocks) then share the median of their figures (`pool_identical`).
 
-Only torch: this file never builds an engine. `measure_layers` runs on every rank of a job at once
-(each rank measures every layer, so the cores are as busy as in training); `merge` takes the per-layer
-median over the ranks; `measure_p2p` needs the process group. `Profile.save` / `load` write JSON.
+Only torch: this file never builds an engine. `measure_layers` runs on every rank of a job at once, each
+rank measuring its share of the layers (so the devices are busy side by side, as in training); `merge`
+puts the shares together; `measure_p2p` needs the process group. `Profile.save` / `load` write JSON.
 """
 import json
 import statistics
@@ -94,14 +96,21 @@ class Profile:
 # ----------------------------------------------------------------------------------------------
 # Measuring layers
 
-def _median_times(run, repeats, sync):
-    """Median seconds of each phase `run()` reports, after one warm-up run."""
-    run()
+MIN_SECONDS, MIN_RUNS = 0.15, 2  # timed runs of a layer: at least MIN_RUNS, until this long or `repeats`
+
+
+def _least_times(run, repeats, sync, warm_up=True):
+    """The least seconds of each phase `run()` reports, over at least MIN_RUNS runs and at most `repeats`,
+    as many as fit MIN_SECONDS, after one warm-up run. The least, not the median: on a shared machine a pass
+    of a millisecond loses whole time slices to other processes, which says nothing of its own cost (and a
+    job's passes all lose them alike)."""
+    if warm_up:
+        run()
     times = []
-    for _ in range(repeats):
+    while len(times) < max(repeats, MIN_RUNS) and (len(times) < MIN_RUNS or sum(map(sum, times)) < MIN_SECONDS):
         sync()
         times.append(run())
-    return [statistics.median(t[i] for t in times) for i in range(len(times[0]))]
+    return [min(t[i] for t in times) for i in range(len(times[0]))]
 
 
 def _tensors(out):
@@ -130,7 +139,7 @@ def _storage_bytes(tracker, x):
     return sum(tracker.bytes_of(t) for t in _tensors(x))
 
 
-def measure_layer(layer, x, name, repeats=3, optimizer=None, sync=lambda: None, call=None):
+def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, call=None):
     """One layer's LayerCost on input `x` (its output is returned too, the next layer's input).
     `call(layer, x)` runs the forward (default `layer(x)`), e.g. a loss against its target."""
     from schedules.observe.memory import SavedTensorTracker
@@ -161,11 +170,9 @@ def measure_layer(layer, x, name, repeats=3, optimizer=None, sync=lambda: None, 
         sync()
         return (now() - t0, )
 
-    f, b, w = _median_times(split, repeats, sync)
-    bw, = _median_times(fused, repeats, sync)
     params = [p for p in layer.parameters() if p.requires_grad] if hasattr(layer, 'parameters') else []
     saved = {}
-    with SavedTensorTracker(ignore=params) as tracker:
+    with SavedTensorTracker(ignore=params) as tracker:  # the warm-up run, whose times are not kept
         inp = _fresh(x)
         out = call(layer, inp)
 
@@ -177,6 +184,9 @@ def measure_layer(layer, x, name, repeats=3, optimizer=None, sync=lambda: None, 
         saved['B'] = state()
         apply_weight_grads(queue)
         saved['W'] = state()
+    # split and fused alternate, alike exposed to the machine's load
+    f, b, w, bw = _least_times(lambda: split() + fused(), repeats, sync, warm_up=False)
+    nxt = _detached(out)  # the next layer's input
     step = 0.0
     if params and optimizer is not None:
         opt = optimizer(params)
@@ -186,13 +196,9 @@ def measure_layer(layer, x, name, repeats=3, optimizer=None, sync=lambda: None, 
             opt.step()
             sync()
             return (now() - t0, )
-        step, = _median_times(optimizer_step, repeats, sync)
-    import torch
-    with torch.no_grad():
-        nxt = call(layer, x)
+        step, = _least_times(optimizer_step, repeats, sync)
     return LayerCost(name, f, b, w, bw, saved, sum(p.numel() for p in params),
-                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step), \
-        _detached(nxt)
+                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step), nxt
 
 
 def _detached(out):
@@ -201,58 +207,92 @@ def _detached(out):
     return out.detach()
 
 
-def measure_layers(builders, sample, loss_fn=None, target=None, repeats=3, optimizer=None, device=None,
-                   dtype=None, sync=lambda: None):
-    """[LayerCost] of every layer, then the loss's (or None): `builders` are (name, build) pairs, each
+def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optimizer=None, device=None,
+                   dtype=None, sync=lambda: None, rank=0, world=1):
+    """([LayerCost or None per layer], the loss's LayerCost or None): `builders` are (name, build) pairs, each
     building one layer (built one at a time, freed after); `sample` is the first layer's input, one
-    micro-batch; `optimizer(params)` builds the run's optimizer over some parameters."""
+    micro-batch; `optimizer(params)` builds the run's optimizer over some parameters.
+
+    With `world` ranks measuring at once, rank `rank` measures its share of the layers (None for the others,
+    which it only runs forward for their outputs): each layer goes to the rank with the least work so far,
+    weighing a layer by its parameters plus its output's elements, the same assignment on every rank. The
+    ranks then run side by side as in training; `merge` puts their shares together."""
+    import torch
     x = sample.to(device) if device is not None else sample
+    load = [0] * world
     costs = []
+
+    def mine(weight):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += weight
+        return owner == rank
     for name, build in builders:
         layer = build()
         if device is not None or dtype is not None:
             layer = layer.to(device=device, dtype=dtype)
-        cost, x = measure_layer(layer, x, name, repeats, optimizer, sync)
+        with torch.no_grad():
+            out = layer(x)
+        weight = sum(p.numel() for p in layer.parameters()) + sum(t.numel() for t in _tensors(out))
+        if mine(weight):
+            cost, x = measure_layer(layer, x, name, repeats, optimizer, sync)
+        else:
+            cost, x = None, _detached(out)
         costs.append(cost)
-        del layer
+        del layer, out
     loss = None
-    if loss_fn is not None:
+    if loss_fn is not None and mine(sum(t.numel() for t in _tensors(x))):
         tgt = target.to(device) if device is not None else target
         loss, _ = measure_layer(None, x, 'loss', repeats, None, sync, call=lambda _, inp: loss_fn(inp, tgt))
     return costs, loss
 
 
 def merge(per_rank):
-    """One profile's layers from several ranks' measurements of the same layers: the median of each time
-    (bytes and counts are the same on every rank)."""
-    first = per_rank[0]
-
+    """One profile's layers from the ranks' shares (`measure_layers` on each): for each layer, the median of
+    each time over the ranks that measured it (bytes and counts are the same on every rank)."""
     def med(costs):
-        if costs[0] is None:
+        costs = [c for c in costs if c is not None]
+        if not costs:
             return None
         times = {k: statistics.median(getattr(c, k) for c in costs) for k in KINDS + ('optimizer', )}
         return LayerCost(**{**asdict(costs[0]), **times})
-    layers = [med([r[0][i] for r in per_rank]) for i in range(len(first[0]))]
+    layers = [med([r[0][i] for r in per_rank]) for i in range(len(per_rank[0][0]))]
     return layers, med([r[1] for r in per_rank])
+
+
+def pool_identical(layers):
+    """Layers alike (same class, parameters, output and saved bytes: a model's repeated blocks) cost alike:
+    each time becomes the median over the layers alike, which a pass slowed by another process cannot move."""
+    groups = {}
+    for i, c in enumerate(layers):
+        key = (c.name, c.params, c.param_bytes, c.output_bytes, json.dumps(c.saved, sort_keys=True))
+        groups.setdefault(key, []).append(i)
+    out = list(layers)
+    for members in groups.values():
+        times = {k: statistics.median(getattr(layers[i], k) for i in members) for k in KINDS + ('optimizer', )}
+        for i in members:
+            out[i] = LayerCost(**{**asdict(layers[i]), **times})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # The job: point-to-point messages and the engine's own work per pass
 
-def measure_p2p(nbytes, repeats=20, device=None):
-    """{'latency', 'per_byte', 'send', 'recv'} between ranks 0 and 1 of the default process group: one-way
-    time of a 4-byte and of an `nbytes` message by ping-pong (latency, and the slope per byte), the time
-    posting a send of `nbytes` takes on its rank, and the time a receive takes once its sender waits.
-    Every rank of the group calls it, and gets the same figures."""
+def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
+    """{'latency', 'per_byte', 'send', 'recv', 'reduce_latency', 'reduce_per_byte'} between ranks 0 and 1 of
+    the default process group: one-way time of a 4-byte message by ping-pong (latency) and the slope per byte
+    up to a message of max(`nbytes`, 1 MiB); the time posting a send of `nbytes` takes on its rank, and the
+    time a receive takes once its sender waits; an all-reduce of 4 bytes and of `reduce_bytes` over all
+    ranks (what DualPipe's gradient sum costs). The least time of the repeats. Every rank of the group calls
+    it, and gets the same figures."""
     import torch
     import torch.distributed as dist
     rank = dist.get_rank()
     nbytes = max(int(nbytes), 8)
-    small, big = (torch.zeros(n // 4, device=device) for n in (4, nbytes))
+    small, message, big = (torch.zeros(n // 4, device=device) for n in (4, nbytes, max(nbytes, 1 << 20)))
 
-    def ping_pong(x):
+    def ping_pong(x, n=repeats):
         times = []
-        for _ in range(repeats):
+        for _ in range(n):
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(x, 1)
@@ -261,29 +301,41 @@ def measure_p2p(nbytes, repeats=20, device=None):
                 dist.recv(x, 0)
                 dist.send(x, 0)
             times.append((time.perf_counter() - t0) / 2)
-        return statistics.median(times)
+        return min(times)
+
+    def all_reduce(x, n=5):
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        return min(times)
 
     dist.barrier()
-    ping_pong(small)  # warm-up: connections
-    lat_small, lat_big = ping_pong(small), ping_pong(big)
+    ping_pong(small, 3)  # warm-up: connections
+    lat_small, lat_big = ping_pong(small), ping_pong(big, max(3, repeats // 4))
     sends, recvs = [], []
     for _ in range(repeats):
         dist.barrier()
         if rank == 0:
             t0 = time.perf_counter()
-            work = dist.isend(big, 1)
+            work = dist.isend(message, 1)
             sends.append(time.perf_counter() - t0)
             work.wait()
         elif rank == 1:
             time.sleep(0.002)  # the sender is waiting when the receive is posted
             t0 = time.perf_counter()
-            dist.recv(big, 0)
+            dist.recv(message, 0)
             recvs.append(time.perf_counter() - t0)
-    mine = [lat_small, (lat_big - lat_small) / max(nbytes - 4, 1), statistics.median(sends) if sends else 0.0,
-            statistics.median(recvs) if recvs else 0.0]
+    reduce_small = all_reduce(torch.zeros(1, device=device))
+    reduce_big = all_reduce(torch.zeros(reduce_bytes // 4, device=device), 3)
+    mine = [lat_small, (lat_big - lat_small) / max(big.numel() * 4 - 4, 1), min(sends) if sends else 0.0,
+            min(recvs) if recvs else 0.0, reduce_small, (reduce_big - reduce_small) / reduce_bytes]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank gets rank 0's and rank 1's figures
-    return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2], 'recv': every[1][3]}
+    return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2], 'recv': every[1][3],
+            'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0)}
 
 
 def measure_dispatch(activation, repeats=50):
@@ -304,4 +356,4 @@ def measure_dispatch(activation, repeats=50):
         torch.autograd.backward(out.sum())
         del kept
         return (time.perf_counter() - t0, )
-    return _median_times(once, repeats, lambda: None)[0]
+    return _least_times(once, repeats, lambda: None)[0]
