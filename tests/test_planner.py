@@ -153,3 +153,43 @@ def test_train_auto_with_a_budget_nothing_fits_is_one_line():
     assert set(run.returncodes) == {2}, run.explain()
     assert_one_error_line(2, run.stderr[0], "--max-activation-memory 0.001 MiB: no schedule fits",
                           others=run.stderr[1:])
+
+
+def choose_schedule_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "choose_schedule.py"
+    spec = importlib.util.spec_from_file_location("choose_schedule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--stages", "1"], "--stages 1"),
+    (["--micro-batches", "0"], "--micro-batches"),
+    (["--max-activation-memory", "0"], "--max-activation-memory"),
+    (["--profile", "/no/such/profile.json"], "--profile /no/such/profile.json"),
+])
+def test_choose_schedule_refuses_bad_input_in_one_line(flags, expected, capsys):
+    with pytest.raises(SystemExit) as exit:
+        choose_schedule_script().main(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_choose_schedule_plans_from_a_saved_profile(tmp_path, capsys):
+    """Planning only: any p and m from one profile, no ranks; a budget nothing fits is one line per (p, m)."""
+    path = tmp_path / "profile.json"
+    synthetic().save(path)
+    choose_schedule_script().main(["--profile", str(path), "--stages", "2", "4", "--micro-batches", "8",
+                                   "--limit", "3", "--json", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert out.count("chose ") == 2 and "p = 2, m = 8:" in out and "chose zb-v with" in out.split("p = 4, m = 8:")[1]
+    import json
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [(c["stages"], c["micro_batches"]) for c in plan["choices"]] == [(2, 8), (4, 8)]
+    assert plan["choices"][1]["ranked"][0]["schedule"] == "zb-v"
+    choose_schedule_script().main(["--profile", str(path), "--stages", "4", "--micro-batches", "8",
+                                   "--max-activation-memory", "0.5"])
+    assert "no schedule fits" in capsys.readouterr().out
