@@ -11,6 +11,7 @@ from typing import Callable, Optional, Union
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from schedules.definitions.controllable_memory import VHalfSchedule, VMinSchedule
 from schedules.definitions.dualpipe import DualPipeSchedule
 from schedules.definitions.interleaved import Interleaved1F1BSchedule
 from schedules.definitions.vshape import DualPipeVSchedule, ZBVSchedule
@@ -48,6 +49,8 @@ SCHEDULES = {spec.name: spec for spec in (
     _ours(Interleaved1F1BSchedule, CHUNKED, "Interleaved 1F1B (Megatron-LM): v chunks per rank, bubble / v"),
     _ours(ZBVSchedule, CHUNKED, "ZB-V: V placement, split backward, 1F1B memory"),
     _ours(DualPipeVSchedule, CHUNKED, "DualPipeV: DeepSeek's cut-in-half DualPipe, with deferred W"),
+    _ours(VHalfSchedule, CHUNKED, "V-Half: V placement, split backward, about half of 1F1B's activation memory"),
+    _ours(VMinSchedule, CHUNKED, "V-Min: V placement, split backward, about a third of 1F1B's activation memory"),
     _ours(DualPipeSchedule, CHUNKED, "DualPipe (DeepSeek-V3): bidirectional, two copies of each stage, deferred W"),
     ScheduleSpec('dualpipev-deepspeed', ds.DualPipeVSchedule, DualPipeVPlacement,
                  "DeepSpeed's DualPipeVSchedule on its DualPipeVEngine", module=DEEPSPEED_DUALPIPEV_MODULE),

@@ -1,5 +1,5 @@
 """Schedules with several model chunks per rank train exactly like the non-pipelined model:
-Interleaved 1F1B, ZB-V, DualPipeV (V placement) and DualPipe (mirror placement), at 2 and 4
+Interleaved 1F1B, ZB-V, V-Half, V-Min, DualPipeV (V placement) and DualPipe (mirror placement), at 2 and 4
 ranks, several micro-batch counts, both builds, activation checkpointing for each, data
 parallelism beside each placement (see tests/training.py for what "exactly" means); and
 DeepSpeed's own DualPipeV over the same model, for comparison.
@@ -26,6 +26,10 @@ CASES = {  # name: (ranks, flags, micro-batches per step)
     "zb-v-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
     "dualpipev-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
     "dualpipev-pp4-m8-spec": (4, PP4 + SPEC, 8),
+    "v-half-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
+    "v-half-pp4-m8-spec": (4, PP4 + SPEC, 8),
+    "v-min-pp2-m4-spec": (2, PP2 + SPEC, 4),
+    "v-min-pp4-m8": (4, PP4, 8),
     "dualpipe-pp2-m4-ckpt": (2, PP2 + CKPT, 4),
     "dualpipe-pp4-m8-spec": (4, PP4 + SPEC, 8),
     "dualpipe-pp2xdp2-m8-spec": (4, PP2 + SPEC, 8),
@@ -34,7 +38,7 @@ CASES = {  # name: (ranks, flags, micro-batches per step)
 
 
 def schedule_of(case):
-    return next(s for s in ("interleaved", "zb-v", "dualpipev-deepspeed", "dualpipev", "dualpipe")
+    return next(s for s in ("interleaved", "zb-v", "v-half", "v-min", "dualpipev-deepspeed", "dualpipev", "dualpipe")
                 if case.startswith(s + "-"))
 
 
