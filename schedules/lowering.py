@@ -41,6 +41,7 @@ class OrderedSchedule(ds.PipeSchedule):
         self.check(micro_batches, stages)
         self.placement = self.placement_cls(stages)
         self.forward_only = forward_only
+        self._lowered = None
         self._order = [self._typed(p) for p in (self.forward_order() if forward_only else self.compute_order())]
         self._check_order()
 
@@ -119,6 +120,11 @@ class OrderedSchedule(ds.PipeSchedule):
         return []
 
     def steps(self):
+        if self._lowered is None:  # lowered once: engines that keep the schedule replay the same instructions
+            self._lowered = list(self._lower())
+        return iter(self._lowered)
+
+    def _lower(self):
         for item in self._order:
             if isinstance(item, Paired):
                 f, b = item

@@ -15,6 +15,8 @@ a missing file leaves its section saying how to produce it):
     p2p.json        scripts/benchmark_p2p.py: a late receive on gloo (128 KiB)
     p2p-512kib.json the same with --kib 512
     chooser.json    scripts/benchmark_chooser.py: the pick of --pipeline-schedule auto against every schedule measured
+    peers.json      scripts/benchmark_peers.py: ours against torch.distributed.pipelining, the whole step
+    peers-gptlite.json  the same on GPTlite (--model gptlite)
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -617,11 +619,91 @@ def chooser_section(doc):
 # The page
 # --------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------
-# The page
+# Against torch.distributed.pipelining (benchmark_peers.py)
 # --------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------
-# The page
-# --------------------------------------------------------------------------------------------
+PEER_PAIRS = ("1f1b", "interleaved", "zb-v", "dualpipev")  # schedules both offer
+OUTSIDE_MARGIN = 3e-3  # seconds: our time outside the schedule at most PyTorch's plus this
+
+
+def _peer_runs(doc):
+    return sorted(doc["runs"].values(), key=lambda r: (r["m"], r["clip"] != "off"))
+
+
+def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
+    runs = _peer_runs(doc)
+    rows, misses, outside_misses = [], [], []
+    for run in runs:
+        rws = run["rows"]
+        for name in PEER_PAIRS:
+            ours, theirs = rws.get(f"ours:{name}"), rws.get(f"torch:{name}")
+            if not (ours and theirs):
+                continue
+            ratio = ours["step_s"] / theirs["step_s"]
+            o_out, t_out = max(ours["outside_s"]), max(theirs["outside_s"])
+            label = "1F1B (ours: DeepSpeed's stock engine)" if name == "1f1b" else NAMES.get(name, name)
+            rows.append([run["m"], run["clip"], label, ms(theirs["step_s"]), ms(ours["step_s"]), f"{ratio:.3f}",
+                         ms(t_out), ms(o_out)])
+            if name != "1f1b":
+                if ratio > 1:
+                    misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} ({ratio:.3f})")
+                if o_out > t_out + OUTSIDE_MARGIN:
+                    outside_misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} "
+                                          f"({ms(o_out)} against {ms(t_out)} ms)")
+    best_rows = []
+    for run in runs:
+        best = run["compare"].get("best")
+        if best:
+            rws = run["rows"]
+            best_rows.append([run["m"], run["clip"], NAMES.get(best["ours"], best["ours"]),
+                              ms(rws["ours:" + best["ours"]]["step_s"]), best["torch"],
+                              ms(rws["torch:" + best["torch"]]["step_s"]), signed_pct(best["speedup"] * 100)])
+    losses = [c["loss_diff"] for run in runs for k, c in run["compare"].items() if k != "best" and
+              c.get("loss_diff") is not None]
+    verdicts = [item("Every schedule both offer except 1F1B is at most PyTorch's step time in every configuration."
+                     if not misses else "Slower than PyTorch's in " + listing(misses) + ".")]
+    verdicts.append(item(f"Our time outside the schedule is at most PyTorch's plus {OUTSIDE_MARGIN * 1e3:.0f} ms "
+                         "in every configuration (the slower rank of each side)." if not outside_misses else
+                         f"Our time outside the schedule exceeds PyTorch's plus {OUTSIDE_MARGIN * 1e3:.0f} ms for "
+                         + listing(outside_misses) + "."))
+    if losses:
+        verdicts.append(item(f"The first step's loss of the two sides differs by at most {max(losses):.1e}: the same "
+                             "weights, data and loss on both."))
+    parts_rows = []
+    for run in runs:
+        for key in ("ours:zb-v", "torch:zb-v", "ours:1f1b", "torch:1f1b"):
+            r = run["rows"].get(key)
+            if r:
+                slow = max(range(len(r["outside_s"])), key=lambda i: r["outside_s"][i])
+                parts = "; ".join(f"{k} {ms(v)}" for k, v in r["outside_parts_s"][slow].items())
+                parts_rows.append([run["m"], run["clip"], key, ms(r["outside_s"][slow]), parts])
+    args = doc["args"]
+    return blocks([title, code("python scripts/benchmark_peers.py --docs" +
+                               (" --model gptlite --micro-batches 4 --clip on" if args["model"] != "deep" else "")),
+                   para(f"""
+        On {machine_line(doc['machine'])}: {args['stages']} ranks over gloo, one thread each; the
+        {'deep model (16 x Linear ' + str(args['deep_width']) + ' + ReLU)' if args['model'] == 'deep' else
+         'GPTlite ' + args['model_size'] + ' (stages balanced on measured layer costs)'}, micro-batches of
+        {args['micro_batch_size']}; one launch per micro-batch count and clipping setting in which every rank builds
+        our engine and PyTorch's PipelineStage(s) and schedule for each schedule, on the same seeded layers cut at
+        the same bounds (PyTorch's with plain `torch.nn.Linear`), the same micro-batches and torch's fused AdamW
+        with the same hyper-parameters, ZeRO 0. They run in rounds ({args['rounds']} x {args['steps_per_round']}
+        steps, the order rotating), each step after a barrier; a step's time is its slower rank's, median.
+        Clipping on: 1.0 by the global norm over every stage on both sides (PyTorch: fused per-tensor norms, the
+        sum of squares all-reduced over the ranks, one fused scale; ours: the same, in the engine). Outside the
+        schedule: PyTorch's clipping, `optimizer.step()` and `zero_grad()` after `schedule.step()`; ours: what
+        `train_batch` does before its first instruction and after its last pass or transfer (ReduceGrads,
+        OptimizerStep, the loss handed to every stage). Raw numbers: [`bench/{file}`](bench/{file})."""),
+                   table(["m", "clipping", "schedule", "PyTorch step ms", "ours step ms", "ours / PyTorch",
+                          "PyTorch outside ms", "ours outside ms"], rows),
+                   "\n".join(verdicts),
+                   para("Each side's best schedule (PyTorch's includes its ScheduleInterleavedZeroBubble; ours every "
+                        "schedule we have):"),
+                   table(["m", "clipping", "ours", "ours step ms", "PyTorch", "PyTorch step ms", "ours faster by"],
+                         best_rows),
+                   para("Where the time outside the schedule goes (the slower rank; ms):"),
+                   table(["m", "clipping", "run", "outside ms", "parts"], parts_rows)])
+
+
 HEADER = [
     "# Benchmarks",
     "<!-- Generated by `python scripts/benchmark_docs.py` from docs/bench/*.json: edit that script, not this file.\n"
@@ -659,7 +741,8 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            were found by reading them and fixed (the activation-shape message and the W pass's root gradients were
            created on the CPU).""")]
 
-INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json")
+INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
+          "peers.json", "peers-gptlite.json")
 
 
 def missing(title, name, how):
@@ -695,6 +778,11 @@ def render(bench_dir=BENCH_DIR) -> str:
     p2p = [docs[n] for n in ("p2p.json", "p2p-512kib.json") if n in docs]
     parts.append(p2p_section(p2p) if p2p else
                  missing("## A late receive on gloo", "p2p.json", "python scripts/benchmark_p2p.py"))
+    parts.append(peers_section(docs["peers.json"]) if "peers.json" in docs else
+                 missing("## Against PyTorch's torch.distributed.pipelining", "peers.json",
+                         "python scripts/benchmark_peers.py --docs"))
+    if "peers-gptlite.json" in docs:
+        parts.append(peers_section(docs["peers-gptlite.json"], "### GPTlite against PyTorch", "peers-gptlite.json"))
     parts.append(chooser_section(docs["chooser.json"]) if "chooser.json" in docs else
                  missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
     parts.append(blocks(GPU))

@@ -40,14 +40,14 @@ def sgd_config(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def references(sgd_config, tmp_path_factory):
-    """references(micro_batches, model, clip): the same training on one rank, without a pipeline (cached)."""
+    """references(micro_batches, model, clip, zero): the same training on one rank, without a pipeline (cached)."""
     from training import TINY, train
     made = {}
 
-    def reference(micro_batches=8, model=TINY, clip=0.0):
-        key = (micro_batches, tuple(model), clip)
+    def reference(micro_batches=8, model=TINY, clip=0.0, zero=1):
+        key = (micro_batches, tuple(model), clip, zero)
         if key not in made:
             made[key] = train(tmp_path_factory.mktemp("ref"), 1, ["--pipeline-parallel-size", "0"],
-                              sgd_config(clip=clip), micro_batches, model=model)
+                              sgd_config(zero=zero, clip=clip), micro_batches, model=model)
         return made[key]
     return reference

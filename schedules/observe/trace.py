@@ -35,6 +35,7 @@ class Tracer:
         self.sync = sync  # e.g. torch.cuda.synchronize: on a GPU a pass ends when its kernels do
         self.origin = None  # clock reading of step 0 of the trace, taken right after a barrier
         self.passes, self.p2p = [], []  # Pass records; (name, start, end, iteration) of p2p
+        self.other = []  # (name, start, end, iteration) of the other instructions (loads, ReduceGrads, OptimizerStep)
         self.memory = None  # optional: a SavedTensorTracker whose live bytes each pass changes
         self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
         self.iteration = 0
@@ -74,6 +75,9 @@ class Tracer:
     def record_p2p(self, name, start, end):
         self.p2p.append((name, start - self.origin, end - self.origin, self.iteration))
 
+    def record_other(self, name, start, end):
+        self.other.append((name, start - self.origin, end - self.origin, self.iteration))
+
     def next_pair(self):
         self._pair += 1
         return self._pair
@@ -99,6 +103,8 @@ def _wrap(instr_type, handler):
             tracer.record(kind, _chunk_of(kwargs), kwargs['buffer_id'], start, end, live=(before, tracer.live_bytes()))
         elif instr_type in P2P:
             tracer.record_p2p(instr_type.__name__, start, end)
+        else:  # loads, the gradient reduction, the optimizer step, ...
+            tracer.record_other(instr_type.__name__, start, end)
         return out
 
     def traced_pair(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
@@ -142,7 +148,7 @@ def write_chrome_trace(tracers, path, meta):
     events = []
     for t in tracers:
         events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
-        for tid, name in ((0, "compute"), (1, "p2p")):
+        for tid, name in ((0, "compute"), (1, "p2p"), (2, "other")):
             events.append({"name": "thread_name", "ph": "M", "pid": t.rank, "tid": tid, "args": {"name": name}})
         for p in t.passes:
             label = f"{p.kind}{p.micro_batch}" + (f" c{p.chunk}" if t.placement.chunks > 1 else "")
@@ -150,9 +156,10 @@ def write_chrome_trace(tracers, path, meta):
                            "dur": p.duration * 1e6, "args": {"kind": p.kind, "stage": p.stage, "chunk": p.chunk,
                                                               "micro_batch": p.micro_batch, "direction": p.direction,
                                                               "pair": p.pair, "iteration": p.iteration}})
-        for name, start, end, iteration in t.p2p:
-            events.append({"name": name, "cat": "p2p", "ph": "X", "pid": t.rank, "tid": 1, "ts": start * 1e6,
-                           "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
+        for tid, cat, records in ((1, "p2p", t.p2p), (2, "other", t.other)):
+            for name, start, end, iteration in records:
+                events.append({"name": name, "cat": cat, "ph": "X", "pid": t.rank, "tid": tid, "ts": start * 1e6,
+                               "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
 
@@ -213,6 +220,8 @@ def load_chrome_trace(path):
         if e["cat"] == "p2p":
             key = (rank, e["args"]["iteration"])
             p2p[key] = p2p.get(key, 0.0) + e["dur"] / 1e6
+            continue
+        if e["cat"] == "other":  # loads, gradient reduction, optimizer step: not passes
             continue
         a = e["args"]
         ranks.setdefault(rank, []).append(Pass(a["kind"], a["stage"], a["chunk"], a["micro_batch"], e["ts"] / 1e6,

@@ -193,6 +193,9 @@ class ChunkedEngine(SplitBackwardEngine):
                     g.copy_(summed.view(g.shape))
         super()._exec_reduce_grads()
 
+    def _loss_shared_early(self):
+        return not self._mirror and super()._loss_shared_early()  # the mirror has two loss ranks: below
+
     def _aggregate_total_loss(self):
         if not self._mirror:
             return super()._aggregate_total_loss()

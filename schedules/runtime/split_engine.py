@@ -14,6 +14,9 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   order the step's own instruction stream gives (receive_ahead.py), so an early send
   is not held up waiting for its receiver.
 
+The step's end skips what one data-parallel rank does not need and clips by the whole model's
+gradient norm, fused (lean_step.py).
+
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
 needs it: the last stage's loss (its B may come after later forwards) and the received output
 gradient (deferred W work may still hold it when the next one arrives).
@@ -27,11 +30,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
 from schedules.runtime import messages
+from schedules.runtime.lean_step import LeanStep
 from schedules.runtime.receive_ahead import ReceiveAhead
 from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
 
-class SplitBackwardEngine(PipelineEngine):
+class SplitBackwardEngine(LeanStep, PipelineEngine):
     """PipelineEngine running a `schedule_cls` whose streams may split the backward into B and W."""
 
     def __init__(self, *args, schedule_cls, **kwargs):
@@ -46,7 +50,13 @@ class SplitBackwardEngine(PipelineEngine):
                                    same_spec=not self.module.dynamic_shape)
 
     def _train_schedule(self):
-        return self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        # built once per shape: an order is the same every step, and computing it is Python work on every rank
+        key = (self.micro_batches, self.num_stages, self.stage_id)
+        if getattr(self, '_schedule_key', None) != key:
+            self._schedule_key = key
+            self._schedule = self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages,
+                                               stage_id=self.stage_id)
+        return self._schedule
 
     _RECEIVES = {ds.RecvActivation: 'act', ds.RecvGrad: 'grad'}
 
@@ -60,6 +70,7 @@ class SplitBackwardEngine(PipelineEngine):
                     yield self._source(kind, chunk), (kind, chunk)
 
     def _exec_schedule(self, pipe_schedule):
+        self._loss_step_start()
         self._ahead.start(self._receives(pipe_schedule))  # a generator: walked only where posted ahead (gloo)
         try:
             super()._exec_schedule(pipe_schedule)
@@ -74,6 +85,7 @@ class SplitBackwardEngine(PipelineEngine):
         super()._exec_forward_pass(buffer_id)
         if self.is_last_stage() and self.module.training:
             self._losses[buffer_id] = self.loss
+            self._loss_forward_done()
 
     def _exec_backward_input_pass(self, buffer_id):
         with defer_weight_grads() as queue:
@@ -185,6 +197,7 @@ class SplitBackwardEngine(PipelineEngine):
         ds.RecvActivation: _exec_recv_activations,
         ds.SendGrad: _exec_send_grads,
         ds.RecvGrad: _exec_recv_grads,
+        ds.ReduceGrads: LeanStep._exec_reduce_grads,
         BackwardInputPass: _exec_backward_input_pass,
         BackwardWeightPass: _exec_backward_weight_pass,
     }

@@ -1,0 +1,128 @@
+"""The end of a training step, without work nobody needs: gradient reduction and clipping for our engines.
+
+DeepSpeed's pipeline step ends with ReduceTiedGrads, ReduceGrads and OptimizerStep. Measured on
+the deep benchmark model (2 ranks, one data-parallel replica), two of them cost more than the
+optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
+
+- ReduceGrads with one data-parallel rank flattens every gradient into one buffer, all-reduces it
+  over a group of one rank and copies it back: an exact no-op, tens of milliseconds. Here it only
+  does what it has to: give a trainable parameter without a gradient a zero one (DeepSpeed does,
+  so that the optimizer steps it as before).
+- Gradient clipping with ZeRO 0 (fp32) takes one Python norm per parameter, a tensor per step, and,
+  through DeepSpeed's model-parallel group, reduces the norm over the tensor-parallel ranks only:
+  every stage clips by its own norm, not the model's. Here the norm is the whole model's, as the
+  non-pipelined model and ZeRO 1 clip: fused per-tensor norms (one kernel per dtype), one
+  all-reduce of a scalar over the pipeline group, each parameter counted once (DualPipe's second
+  copies and tied copies are marked `ds_pipe_replicated`), and no scaling at all when the
+  coefficient is 1.
+
+- The loss: DeepSpeed broadcasts it from the last stage after the optimizer step, so every stage
+  waits there for the last one to finish its step. Here, with one data-parallel rank, the last
+  stage sends it as soon as its last forward of the step has computed it, to receives the other
+  stages posted when the step began; at the end of the step it has arrived. Same values, same
+  place (`train_batch`'s return value on every stage).
+
+Everything else (ZeRO 1, bf16, data parallelism, fp16, MoE, additional losses) goes through
+DeepSpeed unchanged.
+"""
+import torch
+from deepspeed import comm as dist
+
+
+def needs_no_reduction(engine):
+    """True when ReduceGrads has nothing to do but create missing gradients (ZeRO 0, fp32 or fp16
+    without DeepSpeed's BF16 optimizer, one data-parallel rank, no experts)."""
+    return (engine.zero_optimization_stage() == 0 and not engine.using_bf16_optimizer
+            and engine.dp_world_size == 1 and not engine.has_moe_layers)
+
+
+def zero_missing_grads(module):
+    """What DeepSpeed's reduction does before reducing: a zero gradient for each trainable parameter that has none."""
+    for p in module.parameters():
+        if p.requires_grad and p.numel() and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def global_grad_norm(params, group):
+    """The 2-norm of the gradients of `params` on every rank of `group` (each parameter counted once)."""
+    counted = [p.grad for p in params if p.grad is not None and not getattr(p, 'ds_pipe_replicated', False)]
+    by_dtype = {}
+    for g in counted:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    squares = torch.zeros((), dtype=torch.float32, device=counted[0].device if counted else None)
+    for grads in by_dtype.values():
+        squares += torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+    if group is not None and dist.get_world_size(group=group) > 1:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+def clip_grads_(params, max_norm, group):
+    """Scale the gradients of `params` so that their global norm is at most `max_norm`
+    (DeepSpeed's coefficient: max_norm / (norm + 1e-6), at most 1). Returns the norm."""
+    norm = global_grad_norm(params, group)
+    coef = max_norm / (float(norm) + 1e-6)
+    if not coef >= 1.0:  # a NaN norm scales too, as DeepSpeed's does
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+    return norm
+
+
+LOSS_TAG = 0x1055  # the early loss messages' tag: apart from the activations and gradients between the same ranks
+
+
+class LeanStep:
+    """Mixin for a PipelineEngine subclass: ReduceGrads, the fp32 clipping and the loss above. Map
+    `ds.ReduceGrads` to `_exec_reduce_grads` in the engine's `_INSTRUCTION_MAP`; call `_loss_step_start()`
+    when a step's instructions start and `_loss_forward_done()` after each forward of the loss stage."""
+
+    _early_loss = None  # this step: (work, buffer) while receiving, ([works], losses) once sent, or None
+
+    def _loss_shared_early(self):
+        return (self.is_pipe_parallel and self.dp_world_size == 1 and self.module.training
+                and self.module.get_additional_losses() is None)
+
+    def _loss_step_start(self):
+        self._early_loss, self._loss_forwards = None, 0
+        if not self._loss_shared_early():
+            return
+        src = self._loss_stage_global_rank()
+        if self.global_rank != src:
+            buffer = torch.zeros(2, device=self.device)
+            self._early_loss = (dist.irecv(buffer, src, group=self.grid.get_pipe_parallel_group(), tag=LOSS_TAG),
+                                buffer)
+
+    def _loss_forward_done(self):
+        """After a training forward on the loss stage: once the step's last one is done, send the loss."""
+        self._loss_forwards += 1
+        if self._loss_forwards != self.micro_batches or not self._loss_shared_early():
+            return
+        loss = self._scale_loss_by_gas(self.total_loss)
+        losses = torch.stack([loss.detach(), loss.detach()]).float()  # (this replica's loss, the average)
+        group = self.grid.get_pipe_parallel_group()
+        works = [dist.isend(losses, rank, group=group, tag=LOSS_TAG)
+                 for rank in self.grid.pp_group if rank != self.global_rank]
+        self._early_loss = (works, losses)
+
+    def _aggregate_total_loss(self):
+        if self._early_loss is None:
+            return super()._aggregate_total_loss()
+        works, losses = self._early_loss
+        self._early_loss = None
+        for work in works if isinstance(works, list) else [works]:
+            work.wait()
+        if self.is_last_stage():
+            self.agg_additional_losses = None
+        self.dp_group_loss = losses[0].clone()
+        return losses[1].clone()
+
+    def _exec_reduce_grads(self):
+        if not needs_no_reduction(self):
+            return super()._exec_reduce_grads()
+        zero_missing_grads(self.module)
+
+    def clip_fp32_gradients(self):
+        # called by DeepSpeed's _take_model_step for ZeRO 0 without fp16 / bf16 only
+        self._global_grad_norm = clip_grads_(list(self.module.parameters()), self.gradient_clipping(),
+                                             self.grid.get_pipe_parallel_group())
