@@ -88,6 +88,9 @@ def parse_args(argv=None):
     p.flag("--export", default=None, help="write the trained weights, keyed by layer index, to this .pt file")
     p.flag("--trace", default=None, help="write a Chrome trace (Perfetto) of the last --trace-steps steps here")
     p.flag("--trace-steps", type=int, default=3, help="how many of the last steps --trace records")
+    p.flag("--interlock", type=int, default=1,
+           help="pipeline steps run back to back per call (engine.train_batches): each stage steps and goes on "
+                "without waiting for the others; clipping post-validated. 1 = one step per call")
     p.flag("--dist-timeout", type=int, default=600, help="seconds before a stuck collective or silent rank fails")
     import deepspeed
     p = deepspeed.add_config_arguments(p)
@@ -286,6 +289,17 @@ class Trainer:
             losses.append(loss.detach().float())
         return self.dp_mean(torch.stack(losses).mean()).item()
 
+    def train_steps(self, step, count):
+        """Steps `step` .. `step + count - 1` as one interlocked call (--interlock): (their losses, the
+        learning rate each used)."""
+        if count == 1 or not self.pipelined:
+            lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            return [self.train_step(step)], [lr]
+        from schedules.runtime.interlock import train_batches
+        batches = [b for s in range(step, step + count) for b in self.micro_batches("train", s)]
+        losses, lrs = train_batches(self.engine, iter(batches), iterations=count)
+        return [loss.item() for loss in losses], lrs
+
     def evaluate(self):
         import torch
         engine, losses = self.engine, []
@@ -351,6 +365,19 @@ def build_engine(args, cfg):
     return engine, criterion
 
 
+def interlocked_steps(args, step):
+    """How many steps from `step` one call runs: --interlock, cut short so that every validation, checkpoint
+    and the traced steps fall on a call's boundary (nothing of a step is pending there)."""
+    count = min(args.interlock, args.steps - step)
+    for every in (args.eval_interval, args.save_interval):
+        if every:
+            count = min(count, every - step % every)
+    first_traced = args.steps - args.trace_steps
+    if args.trace and step < first_traced:
+        count = min(count, first_traced - step)
+    return max(count, 1)
+
+
 def train(args, trainer, start, progress, record):
     """Steps `start` to --steps: validation, progress, checkpoints, the trace."""
     from schedules.observe.trace import RunTrace
@@ -360,20 +387,23 @@ def train(args, trainer, start, progress, record):
     trace = RunTrace(engine, args.trace, steps=range(max(start, args.steps - args.trace_steps), args.steps),
                      meta={"schedule": args.pipeline_schedule, "stages": args.pipeline_parallel_size,
                            "model": args.model})
-    for step in range(start, args.steps):
-        lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step uses
+    step = start
+    while step < args.steps:
+        count = interlocked_steps(args, step)
         with trace.step(step):
             t0 = time.perf_counter()
-            loss = trainer.train_step(step)
-            dt = time.perf_counter() - t0
-        entry = {"step": step + 1, "loss": loss, "lr": lr, "iter_s": dt,
-                 "samples_per_s": trainer.samples / dt, "tokens_per_s": trainer.tokens / dt}
-        last = step + 1 == args.steps
-        if args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
-            entry["val_loss"] = trainer.evaluate()
-        progress.log(entry)
-        if args.save_dir and (last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-            save_checkpoint(engine, args, record, step + 1)
+            losses, lrs = trainer.train_steps(step, count)
+            dt = (time.perf_counter() - t0) / count  # an interlocked call's steps share its time
+        for loss, lr in zip(losses, lrs):
+            entry = {"step": step + 1, "loss": loss, "lr": lr, "iter_s": dt,
+                     "samples_per_s": trainer.samples / dt, "tokens_per_s": trainer.tokens / dt}
+            last = step + 1 == args.steps
+            if args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
+                entry["val_loss"] = trainer.evaluate()
+            progress.log(entry)
+            if args.save_dir and (last or (args.save_interval and (step + 1) % args.save_interval == 0)):
+                save_checkpoint(engine, args, record, step + 1)
+            step += 1
     trace.save()
 
 

@@ -45,6 +45,7 @@ def validate(args, cfg, world: int, on_cpu: bool):
         need(args.model_size in MODEL_SIZES,
              f"--model-size {args.model_size!r} is unknown: choose from {', '.join(MODEL_SIZES)}")
     _validate_config(cfg, pp, on_cpu, need)
+    _validate_interlock(args, cfg, world, need)
     _validate_pipeline(args, cfg["gradient_accumulation_steps"], need)
     for flag, path in (("--metrics-file", args.metrics_file), ("--export", args.export), ("--trace", args.trace)):
         if path:
@@ -95,6 +96,31 @@ def _validate_config(cfg, pp, on_cpu, need):
     warmup = cfg.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 1)
     need(isinstance(warmup, int) and warmup >= 1, f"config scheduler.params.warmup_num_steps {warmup!r}: must be "
          "an integer >= 1")
+
+
+def _validate_interlock(args, cfg, world, need):
+    """--interlock K: steps back to back on a pipeline; with clipping, only where the step is post-validated
+    (schedules/runtime/interlock.py): our engines, ZeRO 0, fp32, one data-parallel replica."""
+    k, pp = args.interlock, args.pipeline_parallel_size
+    need(k >= 1, f"--interlock {k} is below 1: pass --interlock K with K >= 1 (1: one step per call)")
+    if k == 1:
+        return
+    need(pp >= 1, f"--interlock {k} runs pipeline steps back to back: it needs --pipeline-parallel-size >= 1 "
+         "(or --interlock 1)")
+    clip = cfg.get("gradient_clipping", 1.0)  # DeepSpeed's default clips at 1.0
+    if not clip:
+        return
+    from schedules.registry import schedule_spec
+    ours = args.pipeline_schedule == "auto" or schedule_spec(args.pipeline_schedule, args.virtual_stages).engine
+    zero = cfg.get("zero_optimization", {}).get("stage", 0)
+    bf16 = cfg.get("bf16", {}).get("enabled", False)
+    dp = world // pp
+    why = (f"--pipeline-schedule {args.pipeline_schedule} runs on DeepSpeed's own engine" if not ours else
+           f"zero_optimization.stage is {zero}" if zero else "bf16 is on" if bf16 else
+           f"there are {dp} data-parallel replicas" if dp > 1 else None)
+    need(why is None, f"--interlock {k} with gradient_clipping {clip}: the step is post-validated only on our "
+         f"engines with ZeRO stage 0, fp32 and one data-parallel replica, and {why}; set gradient_clipping 0 in "
+         "--deepspeed_config, or pass --interlock 1")
 
 
 def layer_types(args):

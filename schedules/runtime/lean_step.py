@@ -22,6 +22,10 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   stages posted when the step began; at the end of the step it has arrived. Same values, same
   place (`train_batch`'s return value on every stage).
 
+With ZeRO 0 in fp32 and one data-parallel replica, the step itself (clipping, and skipping a step whose
+global gradient norm is not finite, on every stage) is interlock.py's: validated at once here, later
+when steps are interlocked.
+
 Everything else (ZeRO 1, bf16, data parallelism, fp16, MoE, additional losses) goes through
 DeepSpeed unchanged.
 """
@@ -43,8 +47,9 @@ def zero_missing_grads(module):
             p.grad = torch.zeros_like(p)
 
 
-def global_grad_norm(params, group):
-    """The 2-norm of the gradients of `params` on every rank of `group` (each parameter counted once)."""
+def squared_grad_norm(params):
+    """The squared 2-norm of the gradients of `params` on this rank, each parameter counted once (a float32
+    scalar tensor): fused per-tensor norms, one kernel per dtype."""
     counted = [p.grad for p in params if p.grad is not None and not getattr(p, 'ds_pipe_replicated', False)]
     by_dtype = {}
     for g in counted:
@@ -52,6 +57,12 @@ def global_grad_norm(params, group):
     squares = torch.zeros((), dtype=torch.float32, device=counted[0].device if counted else None)
     for grads in by_dtype.values():
         squares += torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+    return squares
+
+
+def global_grad_norm(params, group):
+    """The 2-norm of the gradients of `params` on every rank of `group` (each parameter counted once)."""
+    squares = squared_grad_norm(params)
     if group is not None and dist.get_world_size(group=group) > 1:
         dist.all_reduce(squares, group=group)
     return squares.sqrt()

@@ -15,7 +15,8 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   is not held up waiting for its receiver.
 
 The step's end skips what one data-parallel rank does not need and clips by the whole model's
-gradient norm, fused (lean_step.py).
+gradient norm, fused (lean_step.py); `train_batches` runs several steps back to back, the step
+post-validated (interlock.py).
 
 One value per engine in the stock engine becomes one per micro-batch where a split schedule
 needs it: the last stage's loss (its B may come after later forwards) and the received output
@@ -30,12 +31,13 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
 from schedules.runtime import messages
+from schedules.runtime.interlock import Interlock
 from schedules.runtime.lean_step import LeanStep
 from schedules.runtime.receive_ahead import ReceiveAhead
 from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
 
-class SplitBackwardEngine(LeanStep, PipelineEngine):
+class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
     """PipelineEngine running a `schedule_cls` whose streams may split the backward into B and W."""
 
     def __init__(self, *args, schedule_cls, **kwargs):
@@ -70,6 +72,7 @@ class SplitBackwardEngine(LeanStep, PipelineEngine):
                     yield self._source(kind, chunk), (kind, chunk)
 
     def _exec_schedule(self, pipe_schedule):
+        self._validate_step()  # a post-validated step settles before the parameters are used again
         self._loss_step_start()
         self._ahead.start(self._receives(pipe_schedule))  # a generator: walked only where posted ahead (gloo)
         try:

@@ -1,0 +1,94 @@
+"""One rank of interlocked against synchronised training of the same schedule (tests/test_interlock.py).
+
+    python tests/interlock_probe.py STEPS MICRO_BATCHES SCHEDULE:SCENARIO ...
+
+SCENARIO: `off` (no clipping), `never` (clipping on, threshold far above every norm), `bites` (threshold
+between the global norms the steps have: some steps clip), `nan` (clipping on, an infinite gradient
+injected on the last stage at step 2). For each, two engines built from the same seed train the same
+micro-batches with SGD and momentum (so optimizer state is rolled back too): one a `train_batch` per step
+(synchronised), one `train_batches(iterations=STEPS)` (interlocked). Prints one JSON line per rank: per
+case the largest weight difference between the two, both runs' losses, the interlocked engine's counters.
+"""
+import json
+import sys
+from datetime import timedelta
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import deep_model
+import schedules
+
+WIDTH, DEPTH, MBS = 32, 8, 4
+INJECT_AT = 2
+
+
+def engine(schedule, stages, m, clip):
+    model = deep_model.get_model(width=WIDTH, depth=DEPTH, seed=1, pipeline_num_stages=stages,
+                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(schedule, None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": clip,
+           "steps_per_print": 10**9, "zero_optimization": {"stage": 0}}
+    eng, *_ = schedules.initialize(schedule, model=model, optimizer=torch.optim.SGD(params, lr=0.3, momentum=0.9),
+                                   model_parameters=params, config=cfg)
+    return eng
+
+
+def inject(eng):
+    """An infinite gradient on the last stage, just before the step of global step INJECT_AT."""
+    take = eng._take_model_step
+
+    def hooked(lr_kwargs):
+        if eng.global_steps == INJECT_AT and eng.is_last_stage():
+            next(p for p in eng.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return take(lr_kwargs)
+    eng._take_model_step = hooked
+
+
+def batches(steps, m):
+    return [deep_model.synthetic_micro_batch(i, MBS, WIDTH, 0) for i in range(steps * m)]
+
+
+def norms(schedule, stages, steps, m):
+    """The global gradient norm of each synchronised step (clipping far away)."""
+    eng = engine(schedule, stages, m, 1e9)
+    out = []
+    data = iter(batches(steps, m))
+    for _ in range(steps):
+        eng.train_batch(data)
+        out.append(float(eng._global_grad_norm))
+    return out
+
+
+def main(steps, m, cases):
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    stages = dist.get_world_size()
+    report = {"rank": dist.get_rank(), "cases": {}}
+    for case in cases:
+        schedule, scenario = case.split(":")
+        clip = {"off": 0.0, "never": 1e9, "nan": 1e9}.get(scenario)
+        if scenario == "bites":
+            seen = sorted(norms(schedule, stages, steps, m))
+            clip = (seen[len(seen) // 2 - 1] + seen[len(seen) // 2]) / 2  # between two steps' norms: half clip
+        sync, inter = engine(schedule, stages, m, clip), engine(schedule, stages, m, clip)
+        if scenario == "nan":
+            inject(sync)
+            inject(inter)
+        data = iter(batches(steps, m))
+        sync_losses = [float(sync.train_batch(data)) for _ in range(steps)]
+        inter_losses = [float(x) for x in inter.train_batches(iter(batches(steps, m)), iterations=steps)]
+        diff = max((a - b).abs().max().item() for a, b in zip(sync.module.parameters(), inter.module.parameters()))
+        finite = all(torch.isfinite(p).all().item() for p in inter.module.parameters())
+        report["cases"][case] = {"clip": clip, "max_diff": diff, "finite": finite, "sync_losses": sync_losses,
+                                 "losses": inter_losses, "rollbacks": inter.rollbacks, "deferred": inter.deferred,
+                                 "skipped": inter.skipped, "sync_skipped": sync.skipped,
+                                 "validations": inter.validations, "pending": inter._pending is not None}
+    print(json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

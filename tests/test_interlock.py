@@ -1,0 +1,118 @@
+"""Interlocked steps (schedules/runtime/interlock.py, train.py --interlock): steps back to back train exactly
+what synchronised steps of the same schedule train, with clipping post-validated (rolled back and redone
+when the global norm clips) and a non-finite step skipped on every stage."""
+import json
+
+import pytest
+import torch
+
+from local_launch import launch
+from schedules.runtime.interlock import StepBackup
+from training import TINY_CHUNKED, assert_one_error_line, assert_same_training, run_in_process, train
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)])
+def test_a_rolled_back_step_restores_parameters_and_optimizer_state_exactly(make):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt, backup = make(params), StepBackup()
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for first in (True, False):  # before the optimizer has state (created lazily), and after
+        if not first:
+            step()
+        before = [p.detach().clone() for p in params]
+        state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                 for i, p in enumerate(params) if p in opt.state}
+        backup.save(params, opt)
+        step()
+        backup.restore(opt)
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert {i for i, p in enumerate(params) if p in opt.state} == set(state)
+        for i, saved in state.items():
+            for k, v in saved.items():
+                assert torch.equal(opt.state[params[i]][k], v) if torch.is_tensor(v) else opt.state[params[i]][k] == v
+
+
+def _args(**kw):
+    import argparse
+    base = dict(interlock=4, steps=10, eval_interval=0, save_interval=0, trace=None, trace_steps=3)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_a_call_ends_where_a_validation_a_checkpoint_or_the_trace_begins():
+    from train import interlocked_steps
+    assert [interlocked_steps(_args(), s) for s in (0, 4, 8)] == [4, 4, 2]
+    assert [interlocked_steps(_args(eval_interval=3), s) for s in (0, 3, 5)] == [3, 3, 1]
+    assert interlocked_steps(_args(save_interval=2), 0) == 2
+    assert [interlocked_steps(_args(trace="t.json"), s) for s in (4, 7)] == [3, 3]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--interlock", "0"], "--interlock 0 is below 1"),
+    (["--interlock", "2", "--pipeline-parallel-size", "0"], "needs --pipeline-parallel-size >= 1"),
+    (["--interlock", "2", "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1"],
+     "zero_optimization.stage is 1"),  # ds_config.json: ZeRO 1, clipping 1.0
+    (["--interlock", "2", "--pipeline-parallel-size", "2"], "runs on DeepSpeed's own engine"),
+])
+def test_interlock_refused_where_the_step_cannot_be_post_validated(flags, expected, monkeypatch, capsys):
+    status, err, _ = run_in_process(["--model-size", "tiny", "--steps", "2", *flags], monkeypatch, capsys, world=2)
+    assert_one_error_line(status, err, expected)
+    assert "--interlock" in err
+
+
+STEPS = 4
+
+
+def _probe(nprocs, steps, m, cases):
+    run = launch(nprocs, [steps, m, *cases], script="tests/interlock_probe.py", timeout=240)
+    assert run.ok, run.explain()
+    return [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["cases"]
+            for out in run.stdout]
+
+
+def _assert_interlocked_equals_synchronised(ranks, case):
+    for rank in ranks:
+        r = rank[case]
+        assert r["max_diff"] < 1e-5 and r["finite"], (case, r)
+        assert r["losses"] == pytest.approx(r["sync_losses"], abs=1e-6), (case, r)
+        assert not r["pending"], case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p, m, cases", [
+    (2, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never"]),
+    (4, 8, ["zb-h2:bites", "zb-v:nan"]),
+])
+def test_interlocked_steps_train_what_synchronised_steps_train(p, m, cases):
+    """Weights and losses equal step for step; where clipping bites, a stage that stepped on its own norm
+    rolled back and redid the step (counted), and one whose own norm already clipped waited; the infinite
+    gradient of one stage skipped that step on every stage, in both runs."""
+    ranks = _probe(p, STEPS, m, cases)
+    for case in cases:
+        _assert_interlocked_equals_synchronised(ranks, case)
+        scenario = case.split(":")[1]
+        if scenario == "bites":
+            assert sum(r[case]["rollbacks"] for r in ranks) > 0, case  # the rollback path ran
+            assert all(r[case]["validations"] == STEPS for r in ranks)
+        if scenario == "never":
+            assert all(r[case]["rollbacks"] == r[case]["deferred"] == 0 and r[case]["validations"] == STEPS
+                       for r in ranks)
+        if scenario == "nan":
+            assert all(r[case]["skipped"] == r[case]["sync_skipped"] == 1 for r in ranks), case
+            assert sum(r[case]["rollbacks"] for r in ranks) > 0, case  # stages with finite gradients had stepped
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_train_py_interlock_matches_the_non_pipelined_model(sgd_config, references, tmp_path):
+    """train.py --interlock 2 (clipping on, biting every step: each stage's own norm already clips or the
+    model's does): the per-step losses, validation losses and weights of the non-pipelined run."""
+    result = train(tmp_path, 2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--interlock", "2"],
+                   sgd_config(zero=0, clip=0.05), 4, model=TINY_CHUNKED)  # both steps in one call
+    assert_same_training(result, references(4, TINY_CHUNKED, clip=0.05, zero=0))
