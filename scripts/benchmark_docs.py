@@ -17,6 +17,7 @@ a missing file leaves its section saying how to produce it):
     chooser.json    scripts/benchmark_chooser.py: the pick of --pipeline-schedule auto against every schedule measured
     peers.json      scripts/benchmark_peers.py: ours against torch.distributed.pipelining, the whole step
     peers-gptlite.json  the same on GPTlite (--model gptlite)
+    interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -629,6 +630,14 @@ def _peer_runs(doc):
     return sorted(doc["runs"].values(), key=lambda r: (r["m"], r["clip"] != "off"))
 
 
+def load_note(doc):
+    load = doc.get("load_average")
+    if not load:
+        return ""
+    return (f" Other work shared the machine's two cores (load average {load[0]:.1f} at the start, {load[1]:.1f} "
+            f"at the end): it slows both sides alike but widens the spread from run to run.")
+
+
 def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
     runs = _peer_runs(doc)
     rows, misses, outside_misses = [], [], []
@@ -668,6 +677,18 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
     if losses:
         verdicts.append(item(f"The first step's loss of the two sides differs by at most {max(losses):.1e}: the same "
                              "weights, data and loss on both."))
+    stock_lines = []
+    for run in runs:
+        rws = run["rows"]
+        stock, lean, theirs = rws.get("ours:1f1b"), rws.get("ours:1f1b-lean"), rws.get("torch:1f1b")
+        if stock and lean and theirs:
+            slow = max(range(len(stock["outside_s"])), key=lambda i: stock["outside_s"][i])
+            reduce = stock["outside_parts_s"][slow]["ReduceGrads"]
+            stock_lines.append(item(
+                f"m = {run['m']}, clipping {run['clip']}: stock {ms(stock['step_s'])} ms a step, of which "
+                f"{ms(max(stock['outside_s']))} outside the schedule ({ms(reduce)} in ReduceGrads); on our engine "
+                f"{ms(lean['step_s'])} ms ({ms(max(lean['outside_s']))} outside); "
+                f"PyTorch's 1F1B {ms(theirs['step_s'])} ms ({ms(max(theirs['outside_s']))} outside)."))
     parts_rows = []
     for run in runs:
         for key in ("ours:zb-v", "torch:zb-v", "ours:1f1b", "torch:1f1b"):
@@ -692,7 +713,8 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
         sum of squares all-reduced over the ranks, one fused scale; ours: the same, in the engine). Outside the
         schedule: PyTorch's clipping, `optimizer.step()` and `zero_grad()` after `schedule.step()`; ours: what
         `train_batch` does before its first instruction and after its last pass or transfer (ReduceGrads,
-        OptimizerStep, the loss handed to every stage). Raw numbers: [`bench/{file}`](bench/{file})."""),
+        OptimizerStep, the loss handed to every stage).{load_note(doc)}
+        Raw numbers: [`bench/{file}`](bench/{file})."""),
                    table(["m", "clipping", "schedule", "PyTorch step ms", "ours step ms", "ours / PyTorch",
                           "PyTorch outside ms", "ours outside ms"], rows),
                    "\n".join(verdicts),
@@ -701,7 +723,14 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
                    table(["m", "clipping", "ours", "ours step ms", "PyTorch", "PyTorch step ms", "ours faster by"],
                          best_rows),
                    para("Where the time outside the schedule goes (the slower rank; ms):"),
-                   table(["m", "clipping", "run", "outside ms", "parts"], parts_rows)])
+                   table(["m", "clipping", "run", "outside ms", "parts"], parts_rows)]
+                  + ([para("""DeepSpeed's stock 1F1B against PyTorch's, and the same TrainSchedule run by our
+                         split-backward engine (`1f1b-lean` here: asynchronous sends, receives posted ahead, the
+                         lean step's end).
+                         What separates the stock engine from PyTorch is mostly outside the schedule: ReduceGrads,
+                         with one data-parallel rank, flattens every gradient, all-reduces it over a group of one
+                         and copies it back; clipping with ZeRO 0 takes a Python norm per parameter; the loss is
+                         broadcast after the optimizer step:"""), "\n".join(stock_lines)] if stock_lines else []))
 
 
 HEADER = [
@@ -742,7 +771,55 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            created on the CPU).""")]
 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json")
+          "peers.json", "peers-gptlite.json", "interlock.json")
+
+
+def interlock_section(doc):
+    """scripts/benchmark_interlock.py: per m, each schedule's synchronised step and interlocked period, measured
+    and predicted from the run's own costs, the bubbles, and what post-validated clipping cost."""
+    args = doc["args"]
+    out = ["## Interlocked steps", para(
+        f"`engine.train_batches(iterations={args['iterations']})` (`train.py --interlock K`) against the same "
+        f"schedule's steps with a barrier before each, {args['stages']} ranks, the deep model (width "
+        f"{args['deep_width']}, depth {args['deep_depth']}), micro-batches of {args['micro_batch_size']}, ZeRO 0, "
+        f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: the span of a step's passes; interlocked: the "
+        "steady-state period (per rank, end of its step 1 to end of its step K-1, over K-2 steps; the largest). "
+        "Predicted: the simulator from the traced steps' own costs (passes, p2p, the engine's time between "
+        "instructions, each rank's optimizer step: `simulate(step_cost=...)`), makespan and interlocked period. "
+        "Speed-up: synchronised over interlocked; ratio: measured gain over predicted gain. Bubble: per rank, "
+        "measured / predicted.")]
+    for m, res in sorted(doc["interlock"].items(), key=lambda kv: int(kv[0])):
+        rows, clipped = [], []
+        for name in ordered(res["schedules"]):
+            r = res["schedules"][name]
+            gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
+            within = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["pred_bubble_interlocked"])) * 100
+            rows.append([NAMES.get(name, name), f"{ms(r['span_s'])} / {ms(r['pred_makespan_s'])}",
+                         f"{ms(r['period_s'])} / {ms(r['pred_period_s'])}",
+                         f"{r['speedup']:.3f} / {r['pred_speedup']:.3f}",
+                         f"{gain / pred_gain:.0%}" if pred_gain > 0.005 else "-",
+                         " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_sync"], r["pred_bubble_sync"])),
+                         " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
+                                                                         r["pred_bubble_interlocked"])),
+                         f"{within:.1f}"])
+            c = r.get("clipped")
+            if c:
+                cost = ms(c["rollback_s"]) + " ms" if c["rollback_s"] else "none ran"
+                clipped.append(item(
+                    f"{NAMES.get(name, name)}: clipping at {c['threshold']:.3g} (the median norm), "
+                    f"{sum(c['rollbacks_per_rank'])} rollbacks in {c['steps']} steps x {len(c['rollbacks_per_rank'])} "
+                    f"ranks ({pct(c['rollback_rate'], 0)}), a rollback {cost}; validation per step (ms, per rank) "
+                    f"{' '.join(ms(v) for v in c['validate_s_per_rank'])}; period {ms(c['period_s'])} ms, "
+                    f"speed-up {c['speedup']:.3f}"))
+        out.append(f"### m = {m}")
+        out.append(table(["schedule", "sync ms meas / pred", "interlocked ms meas / pred", "speed-up meas / pred",
+                          "ratio", "bubble sync", "bubble interlocked", "worst pts off"], rows))
+        if clipped:
+            out.append(para("Post-validated clipping (the same call, clipping on):"))
+            out.append("\n".join(clipped))
+    out.append(para("Raw numbers: [`bench/interlock.json`](bench/interlock.json); the design and what validation "
+                    "costs: [interlock.md](interlock.md)."))
+    return blocks(out)
 
 
 def missing(title, name, how):
@@ -785,6 +862,8 @@ def render(bench_dir=BENCH_DIR) -> str:
         parts.append(peers_section(docs["peers-gptlite.json"], "### GPTlite against PyTorch", "peers-gptlite.json"))
     parts.append(chooser_section(docs["chooser.json"]) if "chooser.json" in docs else
                  missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
+    parts.append(interlock_section(docs["interlock.json"]) if "interlock.json" in docs else
+                 missing("## Interlocked steps", "interlock.json", "python scripts/benchmark_interlock.py --docs"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

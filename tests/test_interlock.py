@@ -116,3 +116,11 @@ def test_train_py_interlock_matches_the_non_pipelined_model(sgd_config, referenc
     result = train(tmp_path, 2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h2", "--interlock", "2"],
                    sgd_config(zero=0, clip=0.05), 4, model=TINY_CHUNKED)  # both steps in one call
     assert_same_training(result, references(4, TINY_CHUNKED, clip=0.05, zero=0))
+
+
+def test_the_simulator_charges_each_ranks_optimizer_step():
+    from schedules.simulator.simulate import simulate
+    base, stepped = simulate("zb-h2", 2, 4), simulate("zb-h2", 2, 4, step_cost={0: 1.0, 1: 0.5})
+    assert (base.makespan, base.period) == (13.0, 12.0)
+    assert stepped.makespan == 13.5 and stepped.period == 13.0  # each rank ends later by its own step
+    assert [r["busy"] for r in stepped.per_rank] == [r["busy"] for r in base.per_rank]  # passes only

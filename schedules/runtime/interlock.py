@@ -177,7 +177,10 @@ def train_batches(engine, data_iter=None, iterations=1):
     if hasattr(engine, 'train_batches'):
         return engine.train_batches(data_iter, iterations=iterations), engine.step_lrs
     losses, lrs = [], []
-    for _ in range(iterations):
+    tracer = getattr(engine, 'tracer', None)
+    for i in range(iterations):
+        if i and tracer is not None and tracer.active:
+            tracer.start_iteration(tracer.iteration + 1)
         lrs.append(engine.optimizer.param_groups[0]['lr'])
         losses.append(engine.train_batch(data_iter))
     return losses, lrs

@@ -84,6 +84,11 @@ class Load:
 
 
 @dataclass(frozen=True)
+class StepWork:
+    """The optimizer step's own time on its rank (`simulate(step_cost=...)`); no pass, no barrier."""
+
+
+@dataclass(frozen=True)
 class Commit:
     """Post every queued send/receive as one batch and wait for all of them."""
 
@@ -126,8 +131,9 @@ register_instruction(ds.RecvActivation, lambda i, c: [Recv(ACTIVATION, c.chunk, 
 register_instruction(ds.SendGrad, lambda i, c: [Send(GRADIENT, c.chunk, i.buffer_id)])
 register_instruction(ds.RecvGrad, lambda i, c: [Recv(GRADIENT, c.chunk, i.buffer_id)])
 register_instruction(ds.CommitP2P, lambda i, c: [Commit()])
-for _t in (ds.OptimizerStep, ds.ReduceGrads, ds.ReduceTiedGrads):  # no barrier, no cost here
+for _t in (ds.ReduceGrads, ds.ReduceTiedGrads):  # no barrier, no cost here
     register_instruction(_t, lambda i, c: [])
+register_instruction(ds.OptimizerStep, lambda i, c: [StepWork()])  # its time: step_cost (default none)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +206,8 @@ class _Rank:
 
 class _Simulation:
     def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0), dispatch=0.0):
+                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0):
+        self.step_cost = step_cost if isinstance(step_cost, dict) else {r: step_cost for r in range(ranks)}
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
         self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
         self.dispatch = dispatch if isinstance(dispatch, dict) else {r: dispatch for r in range(ranks)}
@@ -282,6 +289,8 @@ class _Simulation:
             rk.buffer(e.chunk, e.buffer).loaded = True
         elif isinstance(e, (Send, Recv)):
             self._p2p(rk, e)
+        elif isinstance(e, StepWork):
+            rk.clock += self.step_cost.get(rk.rank, 0.0)
         elif isinstance(e, Commit):
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
@@ -533,7 +542,7 @@ def _memory_function(memory):
 
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0):
+             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -545,6 +554,9 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
     instruction loop, loading a micro-batch), e.g. trace.measured_dispatch.
     iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run).
+    step_cost: seconds (or {rank: seconds}) of each rank's optimizer step (its OptimizerStep instruction, and
+    what it does around it: gradient reduction, validation), e.g. measured in a traced run; busy time counts
+    passes only, so it shows as idle.
     forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
@@ -560,7 +572,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
     def run(n):
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu, dispatch)
+                          _memory_function(memory), p2p_cpu, dispatch, step_cost)
         sim.run()
         return sim.ranks
 

@@ -1,0 +1,290 @@
+"""Interlocked against synchronised steps of the same schedule: measured bubble and speed-up, held against the
+simulator's interlocked prediction from the run's own costs; the rollback rate and cost of post-validation.
+
+    python scripts/benchmark_interlock.py                      # 2 ranks, deep model, m = 4 and 8
+    python scripts/benchmark_interlock.py --docs               # also docs/bench/interlock.json, docs/benchmarks.md
+
+For each micro-batch count, ONE launch of 2 ranks (one thread each) builds an engine per schedule (ZeRO 0,
+fp32, fused AdamW) and runs, in rounds with the order rotating:
+- `sync`: K steps, a barrier before each (what a synchronising step end does: every stage starts together);
+- `interlocked`: one `train_batches(iterations=K)` call, clipping off (nothing to validate);
+- `clipped` (schedules whose engine post-validates): the same call with clipping at a threshold between the
+  norms the steps have (the median of the warm-up's global norms), so that some steps roll back.
+Every step is traced. Measured: the synchronised step (median time after the barrier) and its bubble per rank
+(1 - busy / span); the interlocked period (per rank, the time between the ends of its passes of steps 1 and
+K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period). Predicted, from the
+costs of the traced steps (pass times, p2p latency by ping-pong, the send / receive time on their rank, the
+engine's time between instructions, and each rank's optimizer step as traced): the synchronised makespan and
+the interlocked period (simulate(..., iterations=K)), their bubbles, and the speed-up period / makespan.
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    p.add_argument("--deep-width", type=int, default=1024)
+    p.add_argument("--deep-depth", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--iterations", type=int, default=6, help="steps per interlocked call (K)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="runs/interlock")
+    p.add_argument("--docs", action="store_true", help="also publish docs/bench/interlock.json and docs/benchmarks.md")
+    p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker: one rank
+# --------------------------------------------------------------------------------------------
+def build_engine(name, args, m):
+    import deep_model
+    import schedules
+    model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, pipeline_num_stages=args.stages,
+                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name, None))
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+           "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
+                                      trace=True)
+    return engine
+
+
+def worker(args):
+    from datetime import timedelta
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from benchmark_schedules import ping_pong_latency
+
+    from deep_model import synthetic_micro_batch
+    from schedules.observe.trace import Tracer, engine_placement
+    from schedules.runtime.interlock import train_batches
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)
+    rank, m, k = dist.get_rank(), args.micro_batches[0], args.iterations
+    batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m * k)]
+    engines = {name: build_engine(name, args, m) for name in args.schedules}
+    for engine in engines.values():
+        engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
+    latency = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4, torch.device("cpu"), lambda: None)
+    modes = {name: ["sync", "interlocked"] + (["clipped"] if hasattr(engines[name], "post_validates") else [])
+             for name in args.schedules}
+    runs = {name: {mode: [] for mode in modes[name]} for name in args.schedules}  # per round: step times
+    thresholds = {}
+    dist.barrier()
+    origin = time.perf_counter()
+    for engine in engines.values():
+        engine.tracer.origin = origin
+    for r in range(args.rounds + 1):  # round 0 warms up (and measures the norms the clipping threshold sits in)
+        order = args.schedules[r % len(args.schedules):] + args.schedules[:r % len(args.schedules)]
+        for name in order:
+            engine = engines[name]
+            for mode in modes[name]:
+                engine._config.gradient_clipping = thresholds.get(name, 0.0) if mode == "clipped" else 0.0
+                tracer = engine.tracer
+                tracer.start_iteration(0)
+                tracer.passes, tracer.p2p, tracer.other = [], [], []
+                dist.barrier()
+                if mode == "sync":
+                    times = []
+                    for s in range(k):
+                        if s:
+                            tracer.start_iteration(s)
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        engine.train_batch(iter(batches[s * m:(s + 1) * m]))
+                        times.append(time.perf_counter() - t0)
+                else:
+                    rollbacks = getattr(engine, "rollbacks", 0)
+                    t0 = time.perf_counter()
+                    train_batches(engine, iter(batches), iterations=k)
+                    times = [time.perf_counter() - t0]
+                tracer.stop()
+                record = {"times": times, "passes": [p.__dict__ for p in tracer.passes], "p2p": tracer.p2p,
+                          "other": tracer.other}
+                if mode == "clipped":
+                    record["rollbacks"] = engine.rollbacks - rollbacks
+                if r == 0 and mode == "interlocked" and hasattr(engine, "post_validates"):
+                    thresholds[name] = _median_norm(engine, batches, m, k)
+                if r > 0:
+                    runs[name][mode].append(record)
+    result = {"rank": rank, "latency_s": latency, "runs": runs, "thresholds": thresholds}
+    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _median_norm(engine, batches, m, k):
+    """The median global gradient norm of K synchronised steps (clipping far above it): the threshold at which
+    about half the steps clip."""
+    engine._config.gradient_clipping = 1e30
+    norms = []
+    for s in range(k):
+        engine.train_batch(iter(batches[s * m:(s + 1) * m]))
+        norms.append(float(engine._global_grad_norm))
+    engine._config.gradient_clipping = 0.0
+    return statistics.median(norms)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: launch, analyse against the simulator
+# --------------------------------------------------------------------------------------------
+def launch_worker(args, m):
+    from local_launch import launch
+    out = tempfile.mkdtemp(prefix="interlock-")
+    flags = ["--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules", *args.schedules,
+             "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
+             args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds]
+    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_interlock.py")
+    if not run.ok:
+        raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+
+
+def _timeline(ranks, name, mode, i, m, args):
+    from schedules.simulator.timeline import Pass, Timeline
+    return Timeline([[Pass(**p) for p in r["runs"][name][mode][i]["passes"]] for r in ranks], "s",
+                    {"schedule": name, "stages": args.stages, "micro_batches": m})
+
+
+def _period(timeline, k):
+    """Steady-state seconds per step of an interlocked call: per rank, from the end of its step 1 to the end of
+    its step K-1, over K-2 steps; the largest over ranks."""
+    periods = []
+    for r, row in enumerate(timeline.ranks):
+        ends = {}
+        for p in row:
+            ends[p.iteration] = max(ends.get(p.iteration, 0.0), p.end)
+        periods.append((ends[k - 1] - ends[1]) / (k - 2))
+    return max(periods)
+
+
+def _busy_per_step(timeline, rank, steps):
+    return sum(p.duration for p in timeline.ranks[rank] if p.iteration in steps) / len(steps)
+
+
+def analyse(ranks, args, m):
+    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu
+    from schedules.registry import schedule_spec
+    from schedules.simulator.simulate import simulate
+    k, p = args.iterations, args.stages
+    latency = statistics.median(r["latency_s"] for r in ranks)
+    rows = {}
+    for name in args.schedules:
+        spec = schedule_spec(name)
+        row = {"sync_s": [], "span_s": [], "period_s": [], "pred_makespan_s": [], "pred_period_s": [],
+               "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
+               "pred_bubble_sync": [[] for _ in range(p)], "pred_bubble_interlocked": [[] for _ in range(p)],
+               "call_s": []}
+        for i in range(args.rounds):
+            sync = _timeline(ranks, name, "sync", i, m, args)
+            inter = _timeline(ranks, name, "interlocked", i, m, args)
+            p2p = [r["runs"][name]["sync"][i]["p2p"] for r in ranks]
+            # each rank's optimizer step as traced (ReduceGrads and OptimizerStep), per step
+            step_cost = {rank: sum(e - s for n, s, e, _ in r["runs"][name]["sync"][i]["other"]
+                                   if n in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")) / k
+                         for rank, r in enumerate(ranks)}
+            cpu = measured_p2p_cpu(p2p) if spec.placement.async_sends else (0.0, 0.0)
+            pred = simulate(spec.factory, p, m, placement=spec.placement, costs=measured_costs(sync), latency=latency,
+                            p2p_cpu=cpu, dispatch=measured_dispatch(sync, p2p), iterations=k, step_cost=step_cost)
+            row["sync_s"].append(statistics.median(ranks[0]["runs"][name]["sync"][i]["times"]))
+            row["call_s"].append(ranks[0]["runs"][name]["interlocked"][i]["times"][0] / k)
+            spans = [sync.span(s) for s in sync.iterations()]
+            row["span_s"].append(statistics.median(t1 - t0 for t0, t1 in spans))
+            period = _period(inter, k)
+            row["period_s"].append(period)
+            row["pred_makespan_s"].append(pred.makespan)
+            row["pred_period_s"].append(pred.period)
+            middle = range(1, k - 1)
+            for r in range(p):
+                row["bubble_sync"][r].append(statistics.median(1 - sync.busy(r, s) / (t1 - t0)
+                                                               for s, (t0, t1) in zip(sync.iterations(), spans)))
+                row["bubble_interlocked"][r].append(1 - _busy_per_step(inter, r, middle) / period)
+                row["pred_bubble_sync"][r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
+                row["pred_bubble_interlocked"][r].append(pred.per_rank[r]["idle_interlocked"] / pred.period)
+        out = {key: (statistics.median(v) if v and not isinstance(v[0], list) else [statistics.median(x) for x in v])
+               for key, v in row.items()}
+        # the speed-ups: measured, synchronised step time over interlocked period; predicted, makespan / period
+        out["speedup"] = out["span_s"] / out["period_s"]
+        out["speedup_wall"] = out["sync_s"] / out["call_s"]
+        out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
+        if "clipped" in ranks[0]["runs"][name]:
+            clipped = [ranks[r]["runs"][name]["clipped"] for r in range(p)]
+            steps = args.rounds * k
+            rollbacks = [sum(c["rollbacks"] for c in runs) for runs in clipped]
+            cost = [[e - s for runs in clipped for c in runs for n, s, e, _ in c["other"] if n == "Rollback"]
+                    for _ in [0]][0]
+            validate = [statistics.median([e - s for c in runs for n, s, e, _ in c["other"] if n == "ValidateStep"]
+                                          or [0.0]) for runs in clipped]
+            periods = [_period(_timeline(ranks, name, "clipped", i, m, args), k) for i in range(args.rounds)]
+            out["clipped"] = {"threshold": ranks[0]["thresholds"].get(name), "steps": steps,
+                              "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
+                              "rollback_s": statistics.median(cost) if cost else None,
+                              "validate_s_per_rank": validate, "period_s": statistics.median(periods),
+                              "speedup": out["span_s"] / statistics.median(periods)}
+        rows[name] = out
+    return {"latency_s": latency, "schedules": rows}
+
+
+def table(res, m):
+    lines = [f"m = {m}: synchronised step (span of the passes) against the interlocked period; bubble per rank "
+             f"measured / predicted",
+             f"{'schedule':10} {'sync ms':>8} {'pred ms':>8} {'inter ms':>8} {'pred ms':>8} {'speed-up':>8} "
+             f"{'pred':>6} {'ratio':>6}  bubble sync | interlocked"]
+    for name, r in res["schedules"].items():
+        bub = lambda a, b: " ".join(f"{x:5.1%}/{y:5.1%}" for x, y in zip(r[a], r[b]))  # noqa: E731
+        gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
+        ratio = f"{gain / pred_gain:6.0%}" if pred_gain > 0.01 else "     -"
+        lines.append(f"{name:10} {r['span_s'] * 1e3:8.1f} {r['pred_makespan_s'] * 1e3:8.1f} "
+                     f"{r['period_s'] * 1e3:8.1f} {r['pred_period_s'] * 1e3:8.1f} {r['speedup']:8.3f} "
+                     f"{r['pred_speedup']:6.3f} {ratio}  {bub('bubble_sync', 'pred_bubble_sync')} | "
+                     f"{bub('bubble_interlocked', 'pred_bubble_interlocked')}")
+        c = r.get("clipped")
+        if c:
+            cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
+            lines.append(f"{'':10} clipping at {c['threshold']:.3g}: rollbacks {c['rollbacks_per_rank']} of "
+                         f"{c['steps']} steps per rank ({c['rollback_rate']:.0%}), a rollback {cost}, validation "
+                         f"wait per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
+                         f"period {c['period_s'] * 1e3:.1f} ms, speed-up {c['speedup']:.3f}")
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker_out:
+        return worker(args)
+    from schedules.observe.memory import machine_line
+    os.makedirs(args.out, exist_ok=True)
+    started = time.time()
+    report, lines = {"machine": machine_line(), "args": vars(args), "interlock": {}}, [machine_line()]
+    for m in args.micro_batches:
+        res = analyse(launch_worker(args, m), args, m)
+        report["interlock"][m] = res
+        lines += table(res, m)
+    lines.append(f"took {time.time() - started:.0f} s")
+    print("\n".join(lines))
+    with open(os.path.join(args.out, "interlock.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "interlock.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if args.docs:
+        import benchmark_docs  # beside this script
+        benchmark_docs.publish(report, "interlock")
+
+
+if __name__ == "__main__":
+    main()
