@@ -647,7 +647,7 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
             ours, theirs = rws.get(f"ours:{name}"), rws.get(f"torch:{name}")
             if not (ours and theirs):
                 continue
-            ratio = ours["step_s"] / theirs["step_s"]
+            ratio = run["compare"][name]["ratio"]  # the median ratio of steps run back to back
             o_out, t_out = max(ours["outside_s"]), max(theirs["outside_s"])
             label = "1F1B (ours: DeepSpeed's stock engine)" if name == "1f1b" else NAMES.get(name, name)
             rows.append([run["m"], run["clip"], label, ms(theirs["step_s"]), ms(ours["step_s"]), f"{ratio:.3f}",
@@ -708,7 +708,9 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
         our engine and PyTorch's PipelineStage(s) and schedule for each schedule, on the same seeded layers cut at
         the same bounds (PyTorch's with plain `torch.nn.Linear`), the same micro-batches and torch's fused AdamW
         with the same hyper-parameters, ZeRO 0. They run in rounds ({args['rounds']} x {args['steps_per_round']}
-        steps, the order rotating), each step after a barrier; a step's time is its slower rank's, median.
+        steps; each round steps every run in turn, ours and PyTorch's of a schedule one after the other), each
+        step after a barrier; a step's time is its slower rank's, median; ours / PyTorch is the median of the
+        ratios of steps that ran back to back.
         Clipping on: 1.0 by the global norm over every stage on both sides (PyTorch: fused per-tensor norms, the
         sum of squares all-reduced over the ranks, one fused scale; ours: the same, in the engine). Outside the
         schedule: PyTorch's clipping, `optimizer.step()` and `zero_grad()` after `schedule.step()`; ours: what

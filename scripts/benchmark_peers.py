@@ -7,9 +7,10 @@ One launch per (micro-batch count, clipping) of `--stages` ranks (one thread eac
 builds, for each schedule, our DeepSpeed engine and PyTorch's PipelineStage(s) + schedule, on the
 same layers (the same seeded weights, cut at the same layer bounds; PyTorch's with plain
 torch.nn.Linear), the same micro-batches and the same optimizer (torch's fused AdamW with our
-engine's hyper-parameters), then runs them in rounds, the order rotating every round, so drift on
-this noisy machine hits both alike. Each step starts after a barrier; a step's time is its
-slowest rank's.
+engine's hyper-parameters), then runs them in rounds, the order rotating every round; within a round
+every run steps in turn, ours and PyTorch's of a schedule one after the other, so load from other
+work hits both alike. Each step starts after a barrier; a step's time is its slowest rank's; ours /
+PyTorch is the median of the ratios of steps that ran back to back.
 
 Per step and rank:
 - PyTorch: `schedule.step(...)` is the schedule span; after it, the clipping (off, or on: the
@@ -271,14 +272,18 @@ def worker(args):
                 if k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "fused")}
     layers = full_layers(args)
     theirs = {n: TorchPipeline(n, args, m, layers, parts, device, defaults, clip) for n in theirs_names}
-    runs = [("ours", n) for n in ours_names] + [("torch", n) for n in theirs_names]
-    steps = {f"{side}:{n}": [] for side, n in runs}
+    # Runs grouped by schedule, ours beside PyTorch's, and every round steps each run once in turn,
+    # steps_per_round times: the two sides of a schedule alternate step by step, so the i-th steps of
+    # the two ran back to back, under the same load (compare() pairs them).
+    groups = [[(side, n) for side, names in (("ours", ours_names), ("torch", theirs_names)) if n in names]
+              for n in dict.fromkeys(ours_names + theirs_names)]
+    steps = {f"{side}:{n}": [] for group in groups for side, n in group}
     first_loss = {}
     for r in range(args.rounds + 1):  # round 0 warms up (shapes, buffers, allocator)
-        order = runs[r % len(runs):] + runs[:r % len(runs)]
-        for side, n in order:
-            key = f"{side}:{n}"
-            for _ in range(args.steps_per_round):
+        order = [run for group in groups[r % len(groups):] + groups[:r % len(groups)] for run in group]
+        for _ in range(args.steps_per_round):
+            for side, n in order:
+                key = f"{side}:{n}"
                 dist.barrier()
                 t0 = time.perf_counter()
                 if side == "ours":
@@ -332,6 +337,7 @@ def analyse(ranks):
         parts = [k for k in per_rank[0][0] if k not in ("step", "span")]
         rows[key] = {
             "step_s": step,
+            "steps_s": [max(s["step"] for s in same) for same in zip(*per_rank)],  # slower rank's, step by step
             "span_s": [statistics.median(s["span"] for s in steps) for steps in per_rank],
             "outside_s": [statistics.median(s["step"] - s["span"] for s in steps) for steps in per_rank],
             "outside_parts_s": [{k: statistics.median(s[k] for s in steps) for k in parts} for steps in per_rank],
@@ -341,12 +347,13 @@ def analyse(ranks):
 
 
 def compare(rows):
-    """Per schedule both offer: our step / PyTorch's; and our best against PyTorch's best."""
+    """Per schedule both offer: our step / PyTorch's, the median of the ratios of steps that ran back to back;
+    and our best against PyTorch's best."""
     out = {}
     for name in PAIRS:
         a, b = rows.get(f"ours:{name}"), rows.get(f"torch:{name}")
         if a and b:
-            out[name] = {"ratio": a["step_s"] / b["step_s"],
+            out[name] = {"ratio": statistics.median(x / y for x, y in zip(a["steps_s"], b["steps_s"])),
                          "outside_diff_s": max(a["outside_s"]) - max(b["outside_s"]),
                          "loss_diff": (abs(a["first_loss"] - b["first_loss"])
                                        if a["first_loss"] is not None and b["first_loss"] is not None else None)}
@@ -389,7 +396,9 @@ def main(argv=None):
     machine = machine_line()
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
-    report, lines = {"machine": machine, "args": vars(args), "runs": {}}, [machine]
+    # other work on the machine slows both sides alike, but widens the spread: say how busy it was
+    report = {"machine": machine, "args": vars(args), "runs": {}, "load_average": [os.getloadavg()[0]]}
+    lines = [machine]
     if args.model == "gptlite":
         args.partition_weights = benchmark_schedules.gptlite_layer_costs(args)
     clips = ["off", "on"] if args.clip == "both" else [args.clip]
@@ -400,7 +409,9 @@ def main(argv=None):
             report["runs"][f"m{m}-clip-{clip}"] = {"m": m, "clip": clip, "rows": rows, "compare": cmp}
             lines += table(rows, cmp, m, clip)
             print("\n".join(table(rows, cmp, m, clip)), flush=True)
-    lines.append(f"took {time.time() - started:.0f} s")
+    report["load_average"].append(os.getloadavg()[0])
+    lines.append(f"took {time.time() - started:.0f} s; load average {report['load_average'][0]:.1f} at the start, "
+                 f"{report['load_average'][1]:.1f} at the end")
     print(lines[-1])
     name = "peers" if args.model == "deep" else "peers-gptlite"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
