@@ -155,6 +155,41 @@ def test_train_auto_with_a_budget_nothing_fits_is_one_line():
                           others=run.stderr[1:])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_partition_method_profile_cuts_on_the_measured_costs_and_trains_exactly(sgd_config, references, tmp_path):
+    """`--partition-method profile` without auto, GPTlite tiny on 2 ranks: the cut the engines used (each
+    logs its stage's layers, tests/partition_probe.py) is DeepSpeed's balanced partition of the per-layer
+    costs the run printed; the 50257-token head dominates, so it is alone on the last stage ([0, 6, 7]),
+    where uniform cuts [0, 4, 7] and parameters (the model's default) [0, 3, 7]. Trained exactly as the
+    non-pipelined model (tests/training.py)."""
+    import json
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+
+    from local_launch import launch
+    from training import COMMON, TINY, assert_same_training
+    metrics, export = tmp_path / "metrics.jsonl", tmp_path / "weights.pt"
+    run = launch(2, [*TINY, *COMMON, "--deepspeed_config", sgd_config(), "--gradient-accumulation-steps", "4",
+                     "--metrics-file", metrics, "--export", export, "--pipeline-parallel-size", "2",
+                     "--partition-method", "profile"], timeout=240, script="tests/partition_probe.py")
+    assert run.ok, run.explain()
+    said = [line for line in run.stdout[0].splitlines() if line.startswith("profile: --partition-method profile:")]
+    assert len(said) == 1 and "profile:" not in run.stdout[1], run.stdout
+    weights = [float(w) for w in re.search(r"costs \(ms\) ([0-9. ]+);", said[0]).group(1).split()]
+    stages = sorted((int(s), int(a), int(b)) for out in run.stdout
+                    for s, a, b in re.findall(r"STAGE=(\d+) LAYERS=\d+ \[(\d+), (\d+)\)", out))
+    assert [s for s, _, _ in stages] == [0, 1], run.stdout
+    used = [stages[0][1]] + [b for _, _, b in stages]
+    assert used == [int(b) for b in ds_utils.partition_balanced(weights=weights, num_parts=2)], (used, weights)
+    assert used == [0, 6, 7], (used, weights)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    result = ([r["loss"] for r in records if "loss" in r], [r["val_loss"] for r in records if "val_loss" in r],
+              torch.load(export))
+    assert_same_training(result, references(4, TINY))
+
+
 def choose_schedule_script():
     import importlib.util
     from pathlib import Path
