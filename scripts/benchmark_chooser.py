@@ -5,6 +5,10 @@ and micro-batch count; a memory budget below the unconstrained pick's predicted 
 with the pick's measured peak activation memory; and what profiling and choosing add to a 100-step run.
 
     python scripts/benchmark_chooser.py [--docs]        # about 20 minutes on 2 cores
+    python scripts/benchmark_chooser.py --budgets-only --memory-stages 4 --memory-micro-batches 8 --docs
+
+The second measures only the memory budgets, at p = 4 (4 ranks: V-Half and V-Min need more than 2 to hold
+fewer micro-batches than 1F1B), and with --docs merges its rows into docs/bench/chooser.json, keeping the rest.
 
 Every measurement holds /tmp/bench.lock (the lock `flock /tmp/bench.lock CMD` takes), so benchmarks of
 others on this machine do not run at the same time. Writes runs/chooser/chooser.json; with --docs,
@@ -37,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--deep-micro-batches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--gptlite-micro-batches", type=int, nargs="+", default=[4, 8])
     p.add_argument("--memory-micro-batches", type=int, nargs="+", default=[4], help="m of the budget checks")
+    p.add_argument("--memory-stages", type=int, nargs="+", default=[2], help="p of the budget checks (ranks)")
+    p.add_argument("--budgets-only", action="store_true",
+                   help="profile and check the budgets only (no side-by-side, no demo); --docs merges the rows")
     p.add_argument("--demo-steps", type=int, default=100, help="steps of the demo run (0: skip it)")
     p.add_argument("--out", default="runs/chooser")
     p.add_argument("--docs", action="store_true", help="publish docs/bench/chooser.json and docs/benchmarks.md")
@@ -115,12 +122,13 @@ def profile_model(name, folder, timeout):
         return choose_schedule.measure(opts, rest)
 
 
-def measure_schedules(name, m, keys, weights, folder, what, timeout):
+def measure_schedules(name, m, keys, weights, folder, what, timeout, stages=2):
     import benchmark_schedules as bench
     spec = MODELS[name]
-    flags = ["--what", what, "--stages", "2", "--micro-batches", str(m), "--schedules", *keys,
+    flags = ["--what", what, "--stages", str(stages), "--micro-batches", str(m), "--schedules", *keys,
              "--micro-batch-size", str(spec["micro_batch_size"]), "--rounds", str(spec["rounds"]),
-             "--steps-per-round", str(spec["steps_per_round"]), "--out", os.path.join(folder, f"{name}-m{m}"),
+             "--steps-per-round", str(spec["steps_per_round"]),
+             "--out", os.path.join(folder, f"{name}-p{stages}-m{m}"),
              "--timeout", str(timeout), "--partition-weights", *map(str, weights)]
     flags += spec["flags"]
     args = bench.parse_args(flags)
@@ -154,28 +162,81 @@ def compare(name, m, profile, folder, timeout):
             "table": table(choice, 12)}
 
 
-def budgets(name, m, profile, folder, timeout):
-    """Two budgets: 95% of the unconstrained pick's predicted peak, and 90% of 1F1B's; the pick under each
-    (or the chooser's refusal) and its measured peak activation memory."""
+def pass_bytes(name, profile, key, stages):
+    """Bytes saved for backward after each pass (F, B, W; the change a pass makes) of rank 0's chunks and the last
+    rank's, composed from the profile on the candidate's cut: why a schedule's peak is what it is."""
+    import benchmark_schedules as bench
+
+    from schedules.planner.compose import compose, cut
+    from schedules.registry import schedule_spec
+    schedule, v, method = bench.candidate(key)
+    placement = schedule_spec(schedule, v).placement(stages)
+    parts = cut(profile, method or MODELS[name]["usual_cut"], placement.num_stages)
+    memory = compose(profile, placement, parts)["memory"]
+    return {f"{r},{c}": {"layers": parts[placement.stage(r, c):placement.stage(r, c) + 2],
+                         **{k: memory[(r, c)][k] for k in ("F", "B", "W")}}
+            for (r, c) in sorted(memory) if r in (0, stages - 1)}
+
+
+def budgets(name, m, profile, folder, timeout, stages=2):
+    """Budgets at (stages, m): 95% of the unconstrained pick's predicted peak, 90% of 1F1B's, and (where a
+    schedule fits below 1F1B) 90% of the least peak any candidate needs; the pick under each (or the chooser's
+    refusal). One launch then measures the peak activation memory of every pick, of 1F1B and of V-Half and
+    V-Min (the schedules made to hold less), in one `train_batch` each under the saved-tensor tracker.
+    Returns (rows, {key: predicted and measured peaks per rank, per-pass bytes})."""
     from schedules.planner.choose import MiB, NoScheduleFits, choose
     from schedules.planner.compose import layer_weights
     usual = MODELS[name]["usual_cut"]
-    free = choose(profile, 2, m)
+    free = choose(profile, stages, m)
+    predicted = {}
+    for c in free.ranked:  # each key's best predicted candidate
+        predicted.setdefault(key_of(c, usual), c)
     one_f_one_b = next(c for c in free.ranked if c.schedule == "1f1b" and usual in c.cut.split("="))
-    out = []
-    for label, budget in (("95% of the unconstrained pick's predicted peak", 0.95 * max(free.pick.peak) / MiB),
-                          ("90% of 1F1B's predicted peak", 0.9 * max(one_f_one_b.peak) / MiB)):
-        row = {"micro_batches": m, "budget": label, "budget_mib": budget}
+    least = min(free.ranked, key=lambda c: (max(c.peak), c.step))
+    asks = [("95% of the unconstrained pick's predicted peak", 0.95 * max(free.pick.peak) / MiB),
+            ("90% of 1F1B's predicted peak", 0.9 * max(one_f_one_b.peak) / MiB)]
+    if max(least.peak) < 0.9 * max(one_f_one_b.peak):  # something fits below 1F1B: then a budget below everything
+        asks.append(("90% of the least predicted peak of any candidate", 0.9 * max(least.peak) / MiB))
+    rows, picks = [], {}
+    for label, budget in asks:
+        row = {"stages": stages, "micro_batches": m, "budget": label, "budget_mib": budget,
+               "one_f_one_b_predicted_peak_mib": [b / MiB for b in one_f_one_b.peak]}
         try:
-            choice = choose(profile, 2, m, max_activation_memory=budget)
+            choice = choose(profile, stages, m, max_activation_memory=budget)
         except NoScheduleFits as e:
-            out.append({**row, "refusal": str(e)})
+            rows.append({**row, "refusal": str(e)})
             continue
         key = key_of(choice.pick, usual)
-        rows = measure_schedules(name, m, [key], layer_weights(profile, "profile"), folder, "memory", timeout)
-        out.append({**row, "pick": key, "predicted_peak_mib": [b / MiB for b in choice.pick.peak],
-                    "measured_peak_mib": [b / MiB for b in rows[key]["peak_saved_bytes"]]})
-    return out
+        picks[key] = choice.pick
+        rows.append({**row, "pick": key, "predicted_peak_mib": [b / MiB for b in choice.pick.peak],
+                     "dropped": len(choice.dropped)})
+    keys = list(picks) + [k for k in ("1f1b", "v-half", "v-min") if k in predicted and k not in picks]
+    measured = measure_schedules(name, m, keys, layer_weights(profile, "profile"), folder, "memory", timeout,
+                                 stages)
+    for row in rows:
+        if "pick" in row:
+            row["measured_peak_mib"] = [b / MiB for b in measured[row["pick"]]["peak_saved_bytes"]]
+        row["one_f_one_b_measured_peak_mib"] = [b / MiB for b in measured["1f1b"]["peak_saved_bytes"]]
+    schedules = {k: {"predicted_peak_mib": [b / MiB for b in (picks.get(k) or predicted[k]).peak],
+                     "measured_peak_mib": [b / MiB for b in measured[k]["peak_saved_bytes"]],
+                     "units": measured[k]["units"], "pass_bytes": pass_bytes(name, profile, k, stages)} for k in keys}
+    return rows, {"stages": stages, "micro_batches": m, "schedules": schedules}
+
+
+def merge_budgets(report, path):
+    """The published record with this run's budget rows in place of those of the same (p, m); the rest kept."""
+    with open(path) as f:
+        doc = json.load(f)
+    for name, entry in report["models"].items():
+        old = doc["models"].setdefault(name, {"configs": [], "budgets": []})
+        done = {(b["stages"], b["micro_batches"]) for b in entry["budgets"]}
+        old["budgets"] = [b for b in old["budgets"] if (b.get("stages", 2), b["micro_batches"]) not in done] + \
+            entry["budgets"]
+        old["budget_memory"] = [x for x in old.get("budget_memory", [])
+                                if (x["stages"], x["micro_batches"]) not in done] + entry["budget_memory"]
+        old["budget_profile"] = {k: entry[k] for k in ("profile_launch_s", "profile_s", "layers", "profile")}
+    doc["budgets_run"] = {"machine": report["machine"], "args": report["args"], "took_s": report["took_s"]}
+    return doc
 
 
 def demo_overhead(steps, timeout):
@@ -206,19 +267,24 @@ def main(argv=None):
     for name in args.models:
         profile, launch_s = profile_model(name, folder, args.timeout)
         entry = {"profile_launch_s": launch_s, "profile_s": profile.meta.get("seconds"), "layers": len(profile.layers),
-                 "profile": profile.to_json(), "configs": [], "budgets": []}
+                 "profile": profile.to_json(), "configs": [], "budgets": [], "budget_memory": []}
         report["models"][name] = entry
-        for m in getattr(args, f"{name}_micro_batches"):
+        for m in [] if args.budgets_only else getattr(args, f"{name}_micro_batches"):
             row = compare(name, m, profile, folder, args.timeout)
             entry["configs"].append(row)
             print(f"{name} m = {m}: pick {row['pick']}, best measured {row['best']}, regret {row['regret']:.1%}, "
                   f"rank correlation {row['spearman']:.2f}", flush=True)
-        for m in args.memory_micro_batches:
-            entry["budgets"] += budgets(name, m, profile, folder, args.timeout)
-            print(json.dumps(entry["budgets"][-2:]), flush=True)
+        for p in args.memory_stages:
+            for m in args.memory_micro_batches:
+                rows, memory = budgets(name, m, profile, folder, args.timeout, p)
+                entry["budgets"] += rows
+                entry["budget_memory"].append(memory)
+                print(json.dumps(rows), flush=True)
+                print(json.dumps({k: [v["predicted_peak_mib"], v["measured_peak_mib"]]
+                                  for k, v in memory["schedules"].items()}), flush=True)
         with open(os.path.join(args.out, "chooser.json"), "w") as f:
             json.dump(report, f, indent=1)
-    if args.demo_steps:
+    if args.demo_steps and not args.budgets_only:
         report["demo"] = demo_overhead(args.demo_steps, args.timeout)
         print(f"demo: profiling and choosing {report['demo']['plan_s']:.1f} s of {report['demo']['wall_s']:.0f} s "
               f"({report['demo']['added']:.1%} added)", flush=True)
@@ -227,6 +293,8 @@ def main(argv=None):
         json.dump(report, f, indent=1)
     if args.docs:
         import benchmark_docs
+        if args.budgets_only:
+            report = merge_budgets(report, os.path.join(benchmark_docs.BENCH_DIR, "chooser.json"))
         benchmark_docs.publish(report, "chooser")
 
 

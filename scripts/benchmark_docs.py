@@ -542,6 +542,81 @@ def noise_note(models):
             f"near the best, which it is.")
 
 
+def budget_memory_table(memory):
+    """The schedules measured beside the budget picks at one (p, m): closed form, predicted and measured peaks."""
+    rows = [[k, " / ".join(f"{u:g}" for u in v["units"]), " / ".join(f"{x:.2f}" for x in v["predicted_peak_mib"]),
+             " / ".join(f"{x:.2f}" for x in v["measured_peak_mib"])] for k, v in memory["schedules"].items()]
+    return table(["schedule", "micro-batches held (simulator's units)", "predicted peak MiB", "measured peak MiB"],
+                 rows)
+
+
+def budget_notes(doc):
+    """Why a budget below 1F1B fits or not, per model and p, from the rows and the per-pass bytes recorded."""
+    models, out = doc["models"], []
+    two = [b for e in models.values() for b in e["budgets"] if b.get("stages", 2) == 2 and "refusal" in b]
+    if two:
+        out.append(para("""Below 1F1B's peak nothing fits on these two models at p = 2, and the chooser says so in
+            one line: V-Half and V-Min hold as many micro-batches as 1F1B at p = 2, and on the deep model a B pass
+            adds memory rather than freeing half (W keeps each layer's input and output gradient), so they hold
+            more bytes than 1F1B here; on GPTlite the last stage holds one micro-batch's logits (49 MiB) whatever
+            the schedule."""))
+    for model, entry in models.items():
+        for memory in entry.get("budget_memory", []):
+            p, m, sched = memory["stages"], memory["micro_batches"], memory["schedules"]
+            rows = [b for b in entry["budgets"] if b.get("stages", 2) == p and b["micro_batches"] == m]
+            below = next((b for b in rows if b["budget"].startswith("90% of 1F1B")), None)
+            if below is None or p == 2:
+                continue
+            if "pick" in below:
+                measured = max(below["measured_peak_mib"])
+                text = (f"{model} at p = {p}, m = {m}: under {below['budget_mib']:.2f} MiB (90% of 1F1B's "
+                        f"predicted {max(below['one_f_one_b_predicted_peak_mib']):.2f} MiB; 1F1B measured "
+                        f"{max(below['one_f_one_b_measured_peak_mib']):.2f} MiB) the chooser picks {below['pick']}, "
+                        f"measured at {measured:.2f} MiB on its fullest rank: "
+                        f"{'under' if measured <= below['budget_mib'] else 'OVER'} the budget.")
+            else:
+                text = f"{model} at p = {p}, m = {m}: nothing fits below 1F1B: `{below['refusal']}`."
+                if "v-half" not in sched:
+                    layers = entry.get("budget_profile", entry)["layers"]
+                    text += (f" V-Half and V-Min are no candidates here (they cut the model into {2 * p} stages; "
+                             f"it has {layers} layers), and 1F1B's fullest rank is the last, whose peak (one "
+                             f"micro-batch's logits and loss) no schedule lowers.")
+            refused = next((b for b in rows if "refusal" in b and b is not below), None)
+            if refused and "pick" in below:
+                text += f" Below every candidate ({refused['budget_mib']:.2f} MiB) it refuses: `{refused['refusal']}`."
+            out.append(para(text))
+            if {"1f1b", "v-half", "v-min"} <= set(sched):
+                one, half = sched["1f1b"]["pass_bytes"]["0,0"], sched["v-half"]["pass_bytes"]["0,0"]
+                layers = one["layers"][1] - one["layers"][0]
+                chunk = half["layers"][1] - half["layers"][0]
+                out += [para(f"""Why V-Half does not fit there while V-Min does (per-pass bytes composed from the
+                    profile, which the measured peaks match): a 1F1B stage of {layers} layers saves
+                    {one['F'] / 1024:.0f} KiB per micro-batch, and 1F1B's rank 0 holds {p} of them
+                    ({max(sched['1f1b']['predicted_peak_mib']):.2f} MiB). A V chunk of {chunk} layers saves
+                    {half['F'] / 1024:.0f} KiB after its F, not half of {one['F'] / 1024:.0f} (each chunk keeps its own
+                    input and output, which a whole stage shares between its pieces), and its B adds
+                    {half['B'] / 1024:.0f} KiB (the deferred W keeps each layer's input and output gradient) where
+                    the published units free half; only W frees it all ({half['W'] / 1024:.0f} KiB). So V-Half's
+                    peak, {max(sched['v-half']['units']):g} units on its fullest rank against 1F1B's
+                    {max(sched['1f1b']['units']):g}, comes to {max(sched['v-half']['predicted_peak_mib']):.2f} MiB
+                    (measured {max(sched['v-half']['measured_peak_mib']):.2f}), above 1F1B; V-Min's
+                    {max(sched['v-min']['units']):g} units come to {max(sched['v-min']['predicted_peak_mib']):.2f}
+                    MiB (measured {max(sched['v-min']['measured_peak_mib']):.2f}), the one schedule below 1F1B.
+                    The schedules measured in that launch, peaks per rank:"""), budget_memory_table(memory)]
+            else:
+                out += [para(f"{model} at p = {p}, m = {m}, measured in that launch (peaks per rank):"),
+                        budget_memory_table(memory)]
+    if "budgets_run" in doc:
+        run = doc["budgets_run"]
+        out.append(para(f"""The rows at p > 2: `python scripts/benchmark_chooser.py --budgets-only --memory-stages
+            {' '.join(map(str, run['args']['memory_stages']))} --memory-micro-batches
+            {' '.join(map(str, run['args']['memory_micro_batches']))} --docs`, {run['took_s'] / 60:.0f} minutes on
+            {machine_line(run['machine'])}: 2 ranks profile each model again, the chooser plans p ranks from that
+            profile, and one launch of p ranks measures the picks, 1F1B, V-Half and V-Min (where the model has the
+            layers for them)."""))
+    return out
+
+
 def chooser_section(doc):
     models = doc["models"]
     rows, worst = [], []
@@ -585,28 +660,24 @@ def chooser_section(doc):
     budget_rows = []
     for model, entry in models.items():
         for b in entry["budgets"]:
+            head = [model, b.get("stages", 2), b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}"]
+            one = " / ".join(f"{x:.2f}" for x in b.get("one_f_one_b_measured_peak_mib", [])) or "-"
             if "refusal" in b:
-                budget_rows.append([model, b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}", "none",
-                                    "-", "-", b["refusal"]])
+                budget_rows.append(head + ["none", "-", "-", one, b["refusal"]])
                 continue
             under = all(x <= b["budget_mib"] for x in b["measured_peak_mib"])
-            budget_rows.append([model, b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}", b["pick"],
-                                " / ".join(f"{x:.2f}" for x in b["predicted_peak_mib"]),
-                                " / ".join(f"{x:.2f}" for x in b["measured_peak_mib"]),
-                                "under the budget" if under else "OVER the budget"])
+            budget_rows.append(head + [b["pick"], " / ".join(f"{x:.2f}" for x in b["predicted_peak_mib"]),
+                                       " / ".join(f"{x:.2f}" for x in b["measured_peak_mib"]), one,
+                                       "under the budget" if under else "OVER the budget"])
     if budget_rows:
         out += [para("""With `--max-activation-memory`: the pick under a budget below the unconstrained pick's
-            predicted peak, and under one below 1F1B's; its peak bytes saved for backward measured in one `train_batch`
-            (the saved-tensor tracker, as in [Activation memory per schedule](#activation-memory-per-schedule)),
-            MiB per rank:"""),
-                table(["model", "m", "budget", "MiB", "pick", "predicted peak", "measured peak", "result"],
-                      budget_rows)]
-        if any("refusal" in b for entry in models.values() for b in entry["budgets"]):
-            out.append(para("""Below 1F1B's peak nothing fits on these two models at p = 2, and the chooser says so
-                in one line: on the deep model a B pass adds memory rather than freeing half (W keeps each
-                layer's input and output gradient), so the schedules that save memory in the published units
-                (V-Half, V-Min) still hold more bytes than 1F1B here; on GPTlite the last stage holds one
-                micro-batch's logits (49 MiB) whatever the schedule."""))
+            predicted peak, under one below 1F1B's, and (where a schedule fits below 1F1B) under one below every
+            candidate; its peak bytes saved for backward measured in one `train_batch` (the saved-tensor tracker, as
+            in [Activation memory per schedule](#activation-memory-per-schedule)), MiB per rank, beside 1F1B's
+            measured in the same launch (at p = 2 each pick was measured alone):"""),
+                table(["model", "p", "m", "budget", "MiB", "pick", "predicted peak", "measured peak",
+                       "1F1B measured peak", "result"], budget_rows)]
+        out += budget_notes(doc)
     if "demo" in doc:
         d = doc["demo"]
         out.append(para(f"""
