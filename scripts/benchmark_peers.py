@@ -44,6 +44,7 @@ TORCH_ONLY = {"interleaved-zb": "ScheduleInterleavedZeroBubble"}
 STOCK_ON_OURS = "1f1b-lean"
 OURS_ONLY = ("zb-h1", "zb-h2", "dualpipe", STOCK_ON_OURS)
 STEP_OPS = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")  # our instructions that are not the schedule
+NESTED = ("ValidateStep", "Rollback")  # the post-validated step's records (schedules/runtime/interlock.py)
 
 
 def parse_args(argv=None):
@@ -104,6 +105,8 @@ class StepClock:
         self._schedule(start, end)
 
     def record_other(self, name, start, end):
+        if name in NESTED:
+            return  # inside OptimizerStep, or before the first instruction (then counted there)
         if name in STEP_OPS:
             self.ops[name] += end - start
             self.first = start if self.first is None else min(self.first, start)
