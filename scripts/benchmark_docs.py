@@ -608,12 +608,12 @@ def budget_notes(doc):
                         budget_memory_table(memory)]
     if "budgets_run" in doc:
         run = doc["budgets_run"]
-        out.append(para(f"""The rows at p > 2: `python scripts/benchmark_chooser.py --budgets-only --memory-stages
-            {' '.join(map(str, run['args']['memory_stages']))} --memory-micro-batches
-            {' '.join(map(str, run['args']['memory_micro_batches']))} --docs`, {run['took_s'] / 60:.0f} minutes on
-            {machine_line(run['machine'])}: 2 ranks profile each model again, the chooser plans p ranks from that
-            profile, and one launch of p ranks measures the picks, 1F1B, V-Half and V-Min (where the model has the
-            layers for them)."""))
+        out.append(para(f"""The rows at p > 2: `python scripts/benchmark_chooser.py --budgets-only --models
+            {' '.join(run['args']['models'])} --memory-stages {' '.join(map(str, run['args']['memory_stages']))}
+            --memory-micro-batches {' '.join(map(str, run['args']['memory_micro_batches']))} --docs`,
+            {run['took_s'] / 60:.1f} minutes on {machine_line(run['machine'])} (holding `/tmp/bench.lock`): 2 ranks
+            profile the model again, the chooser plans p ranks from that profile, and one launch of p ranks measures
+            the picks, 1F1B, V-Half and V-Min (where the model has the layers for them).{run.get('note', '')}"""))
     return out
 
 
