@@ -63,18 +63,19 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
     _RECEIVES = {ds.RecvActivation: 'act', ds.RecvGrad: 'grad'}
 
     def _receives(self, pipe_schedule):
-        """(channel, stream) of each receive instruction of the step, in order."""
-        for step in pipe_schedule:
-            for cmd in step:
-                kind = self._RECEIVES.get(type(cmd))
-                if kind is not None:
-                    chunk = cmd.kwargs.get('chunk', 0)
-                    yield self._source(kind, chunk), (kind, chunk)
+        """(channel, stream) of each receive instruction of the step, in order; listed once per schedule
+        object (the training schedule is kept from step to step)."""
+        if getattr(self, '_receive_plan', (None, ))[0] is not pipe_schedule:
+            plan = [(self._source(kind, chunk), (kind, chunk))
+                    for kind, chunk in ((self._RECEIVES[type(cmd)], cmd.kwargs.get('chunk', 0))
+                                        for step in pipe_schedule for cmd in step if type(cmd) in self._RECEIVES)]
+            self._receive_plan = (pipe_schedule, plan)
+        return self._receive_plan[1]
 
     def _exec_schedule(self, pipe_schedule):
         self._validate_step()  # a post-validated step settles before the parameters are used again
         self._loss_step_start()
-        self._ahead.start(self._receives(pipe_schedule))  # a generator: walked only where posted ahead (gloo)
+        self._ahead.start(self._receives(pipe_schedule) if self._ahead.enabled else ())  # posted ahead: gloo only
         try:
             super()._exec_schedule(pipe_schedule)
         finally:
