@@ -705,8 +705,9 @@ def load_note(doc):
     load = doc.get("load_average")
     if not load:
         return ""
-    return (f" Other work shared the machine's two cores (load average {load[0]:.1f} at the start, {load[1]:.1f} "
-            f"at the end): it slows both sides alike but widens the spread from run to run.")
+    return (f" Other work shared the machine's two cores (load average between {min(load):.1f} and {max(load):.1f} "
+            f"at the starts and ends of the launches): it slows both sides alike but widens the spread from run "
+            f"to run.")
 
 
 def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
@@ -772,8 +773,8 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
     return blocks([title, code("python scripts/benchmark_peers.py --docs" +
                                (" --model gptlite --micro-batches 4 --clip on" if args["model"] != "deep" else "")),
                    para(f"""
-        On {machine_line(doc['machine'])}: {args['stages']} ranks over gloo, one thread each; the
-        {'deep model (16 x Linear ' + str(args['deep_width']) + ' + ReLU)' if args['model'] == 'deep' else
+        On {machine_line(doc['machine'])}: {args['stages']} ranks over gloo, one thread each;
+        {'the deep model (16 x Linear ' + str(args['deep_width']) + ' + ReLU)' if args['model'] == 'deep' else
          'GPTlite ' + args['model_size'] + ' (stages balanced on measured layer costs)'}, micro-batches of
         {args['micro_batch_size']}; one launch per micro-batch count and clipping setting in which every rank builds
         our engine and PyTorch's PipelineStage(s) and schedule for each schedule, on the same seeded layers cut at
