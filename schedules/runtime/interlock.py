@@ -35,7 +35,7 @@ a traced engine records each validation (`ValidateStep`) and each rollback (`Rol
 import torch
 from deepspeed import comm as dist
 
-from schedules.runtime.lean_step import needs_no_reduction, squared_grad_norm
+from schedules.runtime.lean_step import clip_coefficient, needs_no_reduction, squared_grad_norm
 
 
 class StepBackup:
@@ -131,7 +131,7 @@ class Interlock:
         self.global_samples += self.train_batch_size()
 
     def _coefficient(self, squares):
-        return self.gradient_clipping() / (float(squares.sqrt()) + 1e-6)  # as clip_grads_ computes it
+        return clip_coefficient(self.gradient_clipping(), squares.sqrt())
 
     def _validate_step(self):
         """Settle the pending step: wait for the global norm, then keep, redo or skip the step."""

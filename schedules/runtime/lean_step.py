@@ -68,11 +68,16 @@ def global_grad_norm(params, group):
     return squares.sqrt()
 
 
+def clip_coefficient(max_norm, norm):
+    """DeepSpeed's clipping coefficient for a gradient norm: max_norm / (norm + 1e-6); at or above 1, no clipping."""
+    return max_norm / (float(norm) + 1e-6)
+
+
 def clip_grads_(params, max_norm, group):
-    """Scale the gradients of `params` so that their global norm is at most `max_norm`
-    (DeepSpeed's coefficient: max_norm / (norm + 1e-6), at most 1). Returns the norm."""
+    """Scale the gradients of `params` so that their global norm is at most `max_norm` (`clip_coefficient`,
+    at most 1). Returns the norm."""
     norm = global_grad_norm(params, group)
-    coef = max_norm / (float(norm) + 1e-6)
+    coef = clip_coefficient(max_norm, norm)
     if not coef >= 1.0:  # a NaN norm scales too, as DeepSpeed's does
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
@@ -88,7 +93,7 @@ class LeanStep:
     `ds.ReduceGrads` to `_exec_reduce_grads` in the engine's `_INSTRUCTION_MAP`; call `_loss_step_start()`
     when a step's instructions start and `_loss_forward_done()` after each forward of the loss stage."""
 
-    _early_loss = None  # this step: (work, buffer) while receiving, ([works], losses) once sent, or None
+    _early_loss = None  # this step: ([works], losses), the loss being received or sent, or None
 
     def _loss_shared_early(self):
         return (self.is_pipe_parallel and self.dp_world_size == 1 and self.module.training
@@ -101,7 +106,7 @@ class LeanStep:
         src = self._loss_stage_global_rank()
         if self.global_rank != src:
             buffer = torch.zeros(2, device=self.device)
-            self._early_loss = (dist.irecv(buffer, src, group=self.grid.get_pipe_parallel_group(), tag=LOSS_TAG),
+            self._early_loss = ([dist.irecv(buffer, src, group=self.grid.get_pipe_parallel_group(), tag=LOSS_TAG)],
                                 buffer)
 
     def _loss_forward_done(self):
@@ -121,7 +126,7 @@ class LeanStep:
             return super()._aggregate_total_loss()
         works, losses = self._early_loss
         self._early_loss = None
-        for work in works if isinstance(works, list) else [works]:
+        for work in works:
             work.wait()
         if self.is_last_stage():
             self.agg_additional_losses = None

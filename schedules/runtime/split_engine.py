@@ -50,11 +50,13 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
         self._shape_sent = set()                 # activation streams whose shape went out
         self._ahead = ReceiveAhead(self.device, enabled=torch.distributed.get_backend() == 'gloo',
                                    same_spec=not self.module.dynamic_shape)
+        self._schedule_key, self._schedule = None, None  # the training schedule, kept while its shape holds
+        self._receive_plan = (None, [])                    # (schedule, its receives) of the last step
 
     def _train_schedule(self):
         # built once per shape: an order is the same every step, and computing it is Python work on every rank
         key = (self.micro_batches, self.num_stages, self.stage_id)
-        if getattr(self, '_schedule_key', None) != key:
+        if self._schedule_key != key:
             self._schedule_key = key
             self._schedule = self.schedule_cls(micro_batches=self.micro_batches, stages=self.num_stages,
                                                stage_id=self.stage_id)
@@ -65,7 +67,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
     def _receives(self, pipe_schedule):
         """(channel, stream) of each receive instruction of the step, in order; listed once per schedule
         object (the training schedule is kept from step to step)."""
-        if getattr(self, '_receive_plan', (None, ))[0] is not pipe_schedule:
+        if self._receive_plan[0] is not pipe_schedule:
             plan = [(self._source(kind, chunk), (kind, chunk))
                     for kind, chunk in ((self._RECEIVES[type(cmd)], cmd.kwargs.get('chunk', 0))
                                         for step in pipe_schedule for cmd in step if type(cmd) in self._RECEIVES)]
