@@ -60,11 +60,35 @@ def test_zero_missing_grads_gives_trainable_parameters_a_zero_gradient():
 
 
 class _Engine:
-    def __init__(self, zero=0, bf16=False, dp=1, moe=False):
+    def __init__(self, zero=0, bf16=False, dp=1, moe=False, fp16=False, module=None):
         self._zero, self.using_bf16_optimizer, self.dp_world_size, self.has_moe_layers = zero, bf16, dp, moe
+        self._fp16, self.module = fp16, module or torch.nn.Linear(2, 2)
 
     def zero_optimization_stage(self):
         return self._zero
+
+    def fp16_enabled(self):
+        return self._fp16
+
+    def bfloat16_enabled(self):
+        return self.using_bf16_optimizer
+
+
+def _hooked(post_accumulate):
+    layer = torch.nn.Linear(2, 2)
+    if post_accumulate:
+        layer.weight.register_post_accumulate_grad_hook(lambda p: None)
+    else:
+        layer.bias.register_hook(lambda g: g)
+    return layer
+
+
+@pytest.mark.parametrize("engine, in_place", [(_Engine(), True), (_Engine(dp=2), True), (_Engine(zero=1), False),
+                                              (_Engine(bf16=True), False), (_Engine(fp16=True), False),
+                                              (_Engine(module=_hooked(True)), False),
+                                              (_Engine(module=_hooked(False)), False)])
+def test_gradients_accumulate_in_place_only_where_nothing_watches_them(engine, in_place):
+    assert lean_step.accumulates_in_place(engine) is in_place
 
 
 @pytest.mark.parametrize("engine, lean", [(_Engine(), True), (_Engine(zero=1), False), (_Engine(bf16=True), False),

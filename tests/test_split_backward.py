@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import deep_model
 import gptlite
 from schedules.observe.memory import SavedTensorTracker
-from schedules.runtime.weight_grad import Linear, apply_weight_grads, defer_weight_grads
+from schedules.runtime.weight_grad import Linear, accumulate_in_place, apply_weight_grads, defer_weight_grads
 
 
 def gpt_stage():
@@ -60,6 +60,40 @@ def test_b_then_w_equals_fused_backward(make):
     assert not queue
     for name, p in stage.named_parameters():
         assert torch.allclose(p.grad, fused[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("make", [gpt_stage, deep_stage], ids=["gptlite", "deep"])
+def test_in_place_accumulation_equals_autograds_over_micro_batches(make):
+    """Three micro-batches: the weight gradients added into .grad by their multiply (fused backward, and B
+    then W) equal autograd's accumulation of fresh gradients; the linear layers' .grad tensors are the
+    first micro-batch's, added into, never replaced."""
+    stage = make()
+    xs = [(inputs(stage) * (k + 1)).detach().requires_grad_() for k in range(3)]
+
+    def grads(backward):
+        stage.zero_grad(set_to_none=True)
+        first = None
+        for k, x in enumerate(xs):
+            backward(loss_of(stage, x))
+            if k == 0:
+                first = {n: p.grad for n, p in stage.named_parameters()}
+        assert all(p.grad is first[n] for n, p in stage.named_parameters() if n.endswith("fc.weight"))
+        return {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+    def fused_in_place(loss):
+        with accumulate_in_place():
+            loss.backward()
+
+    def split_in_place(loss):
+        with defer_weight_grads() as queue:
+            loss.backward()
+        apply_weight_grads(queue, in_place=True)
+
+    reference = grads(lambda loss: loss.backward())
+    for backward in (fused_in_place, split_in_place):
+        got = grads(backward)
+        for name, ref in reference.items():
+            assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6), name
 
 
 def matmul_flops(fn):

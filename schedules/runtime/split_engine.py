@@ -14,6 +14,9 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   order the step's own instruction stream gives (receive_ahead.py), so an early send
   is not held up waiting for its receiver.
 
+With ZeRO 0 in fp32, weight gradients are added into `.grad` by their own multiply (weight_grad.py's
+`accumulate_in_place`), in B, W and fused backwards alike.
+
 The step's end skips what one data-parallel rank does not need and clips by the whole model's
 gradient norm, fused (lean_step.py); `train_batches` runs several steps back to back, the step
 post-validated (interlock.py).
@@ -32,9 +35,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from schedules.instructions import BackwardInputPass, BackwardWeightPass
 from schedules.runtime import messages
 from schedules.runtime.interlock import Interlock
-from schedules.runtime.lean_step import LeanStep
+from schedules.runtime.lean_step import LeanStep, accumulates_in_place
 from schedules.runtime.receive_ahead import ReceiveAhead
-from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
 
 
 class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
@@ -52,6 +55,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
                                    same_spec=not self.module.dynamic_shape)
         self._schedule_key, self._schedule = None, None  # the training schedule, kept while its shape holds
         self._receive_plan = (None, [])                    # (schedule, its receives) of the last step
+        self._in_place = accumulates_in_place(self)        # weight gradients added into .grad by their multiply
 
     def _train_schedule(self):
         # built once per shape: an order is the same every step, and computing it is Python work on every rank
@@ -104,7 +108,8 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
             self.loss = self._losses.pop(buffer_id)
         else:
             self.grad_layer = self._grads.pop(buffer_id)
-        super()._exec_backward_pass(buffer_id)
+        with accumulate_in_place(self._in_place):
+            super()._exec_backward_pass(buffer_id)
         self.grad_layer = None
 
     def _exec_backward_weight_pass(self, buffer_id):
@@ -117,7 +122,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
             self.optimizer.clear_lp_grads()
         self._running_engine_backward = True  # DeepSpeed refuses backward calls it did not start
         try:
-            apply_weight_grads(queue)
+            apply_weight_grads(queue, in_place=self._in_place)
         finally:
             self._running_engine_backward = False
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:

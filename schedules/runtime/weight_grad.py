@@ -16,6 +16,13 @@ Deferrable layers:
   has `gradients()`: [(parameter, function computing that parameter's gradient)] and holds only
   what those functions need (see `DeferredLinearGrad`, and `_LinearFunction` for the pattern).
 
+Inside `accumulate_in_place()` (the engines enter it where nothing hooks gradient accumulation: ZeRO 0,
+no BF16 optimizer) a weight gradient is added into `.grad` by the matrix multiply itself
+(`grad.addmm_(g^T, x)`, Megatron's gradient-accumulation fusion) rather than computed into a new
+tensor that autograd then adds: one allocation and one pass over the gradient fewer per layer and
+micro-batch, the backward's largest cost after the two multiplies (~25% of a W pass on a CPU core,
+scripts/benchmark_peers.py).
+
 Between B and W a micro-batch keeps only what the queued work needs (each linear layer's input
 and output gradient): the rest of its autograd graph is freed by B as usual. Parameters of other
 layers (embeddings, LayerNorm) get their gradients in B. `counts` tells how many parameter
@@ -29,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _queue = None  # the list that Linear backward appends to while deferral is on, else None
+_in_place = False  # while on, computed weight gradients are added into .grad directly (accumulate_in_place)
 _holders = []  # memory trackers told what queued work keeps alive (schedules/observe/memory.py)
 counts = Counter()  # 'deferred' / 'immediate': parameter gradients of deferrable layers, queued or computed at once
 
@@ -54,8 +62,36 @@ def defer_weight_grads():
         _queue = outer
 
 
-def apply_weight_grads(queue):
-    """The W pass: compute the queued weight gradients and accumulate them into `.grad`.
+@contextlib.contextmanager
+def accumulate_in_place(enabled=True):
+    """Within (when `enabled`): weight gradients computed at once (a fused backward) are added into
+    `.grad` by their multiply (`accumulate`), not handed to autograd. Only where nothing watches
+    gradient accumulation: no hooks on the parameters, no optimizer that reads gradients as they come."""
+    global _in_place
+    outer, _in_place = _in_place, enabled
+    try:
+        yield
+    finally:
+        _in_place = outer
+
+
+def accumulate(work):
+    """Add one work's gradients into its parameters' `.grad` (set it where there is none): its own
+    `accumulate()` when it has one (fused into the multiply), else each gradient computed, then added."""
+    if hasattr(work, 'accumulate'):
+        work.accumulate()
+        return
+    for param, compute in work.gradients():
+        grad = compute()
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+
+
+def apply_weight_grads(queue, in_place=False):
+    """The W pass: compute the queued weight gradients and accumulate them into `.grad`; with
+    `in_place`, straight into `.grad` (`accumulate`), as `accumulate_in_place` does.
 
     They go through autograd (a backward to the leaf parameters) rather than being written to
     `.grad` directly, so gradient-accumulation hooks (DeepSpeed's among them) see them. Each one is
@@ -64,6 +100,11 @@ def apply_weight_grads(queue):
     `backward()` by its caller is copied, because the caller still holds it), and one
     gradient at a time is alive, not the whole queue's.
     """
+    if in_place:
+        for work in queue:
+            accumulate(work)
+        queue.clear()
+        return
     roots = [_Computed.apply(param, compute) for work in queue for param, compute in work.gradients()]
     queue.clear()
     if roots:
@@ -108,6 +149,20 @@ class DeferredLinearGrad:
         """[(parameter, function computing its gradient for this micro-batch)]."""
         return [(p, f) for p, f in ((self.weight, self._weight_grad), (self.bias, self._bias_grad)) if p is not None]
 
+    def accumulate(self):
+        """Add this micro-batch's gradients into `.grad`: the weight's by one multiply-add into it."""
+        weight, bias = self.weight, self.bias
+        if weight is not None:
+            if weight.grad is None:
+                weight.grad = self._weight_grad()
+            else:
+                weight.grad.addmm_(self._g().t(), self.x.reshape(-1, self.x.shape[-1]))
+        if bias is not None:
+            if bias.grad is None:
+                bias.grad = self._bias_grad()
+            else:
+                bias.grad.add_(self._bias_grad())
+
 
 class _LinearFunction(torch.autograd.Function):
 
@@ -138,6 +193,9 @@ def defer_or_compute(work, *kept):
         counts['deferred'] += len(gradients)
         return {}
     counts['immediate'] += len(gradients)
+    if _in_place:
+        accumulate(work)
+        return {}
     return {id(p): compute() for p, compute in gradients}
 
 
