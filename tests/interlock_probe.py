@@ -1,6 +1,7 @@
 """One rank of interlocked against synchronised training of the same schedule (tests/test_interlock.py).
 
     python tests/interlock_probe.py STEPS MICRO_BATCHES SCHEDULE:SCENARIO ...
+    PROBE_DP=2 python tests/interlock_probe.py ...    # the ranks as 2 data-parallel replicas of the pipeline
 
 SCENARIO: `off` (no clipping), `never` (clipping on, threshold far above every norm), `bites` (threshold
 between the global norms the steps have: some steps clip), `nan` (clipping on, an infinite gradient
@@ -10,6 +11,7 @@ micro-batches with SGD and momentum (so optimizer state is rolled back too): one
 case the largest weight difference between the two, both runs' losses, the interlocked engine's counters.
 """
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -46,8 +48,13 @@ def inject(eng):
     eng._take_model_step = hooked
 
 
+DP = int(os.environ.get("PROBE_DP", "1"))
+
+
 def batches(steps, m):
-    return [deep_model.synthetic_micro_batch(i, MBS, WIDTH, 0) for i in range(steps * m)]
+    """This replica's micro-batches (each replica its own, so that the losses averaged over replicas differ)."""
+    replica = dist.get_rank() % DP  # DeepSpeed's topology: rank = stage x dp + replica
+    return [deep_model.synthetic_micro_batch(replica * 1000 + i, MBS, WIDTH, 0) for i in range(steps * m)]
 
 
 def norms(schedule, stages, steps, m):
@@ -64,7 +71,7 @@ def norms(schedule, stages, steps, m):
 def main(steps, m, cases):
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
-    stages = dist.get_world_size()
+    stages = dist.get_world_size() // DP
     report = {"rank": dist.get_rank(), "cases": {}}
     for case in cases:
         schedule, scenario = case.split(":")

@@ -87,19 +87,37 @@ def test_bf16_matches_stock_1f1b(schedule, bf16_stock, sgd_config, tmp_path):
         assert ref.dtype == torch.bfloat16 and torch.equal(result[2][name], ref), name
 
 
-@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe"])
-def test_resume_gives_the_same_next_losses(schedule, tmp_path):
-    """Checkpoints hold each chunk's layers (DualPipe: one copy of each stage, loaded into both)."""
+@pytest.fixture(scope="module")
+def zero0_config(tmp_path_factory):
+    """ds_config.json (AdamW, warm-up LR schedule, clipping 1.0) with ZeRO 0: what --interlock needs."""
+    from local_launch import ROOT
+    cfg = json.loads((ROOT / "ds_config.json").read_text())
+    cfg["zero_optimization"]["stage"] = 0
+    path = tmp_path_factory.mktemp("cfg") / "zero0.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("schedule, interlock", [("zb-v", True), ("dualpipe", False)])
+def test_resume_gives_the_same_next_losses(schedule, interlock, zero0_config, tmp_path):
+    """Checkpoints hold each chunk's layers (DualPipe: one copy of each stage, loaded into both). ZB-V runs
+    `--interlock 2` (ZeRO 0, AdamW, LR schedule, clipping): a checkpoint is taken at the end of a call, nothing
+    pending, and resuming there continues with the same losses and validation losses."""
+    extra = ["--interlock", "2", "--deepspeed_config", zero0_config, "--eval-interval", "2", "--eval-batches", "1"] \
+        if interlock else []
     flags = [*TINY_CHUNKED, "--steps", "4", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
              *PP2, "--pipeline-schedule", schedule, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
-             "--dist-timeout", "120"]
+             "--dist-timeout", "120", *extra]
     full = launch(2, flags + ["--metrics-file", tmp_path / "full.jsonl"])
     assert full.ok, full.explain()
     (tmp_path / "ckpt" / "latest").write_text("global_step2")  # roll back to the step-2 checkpoint
     resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
     assert resumed.ok, resumed.explain()
-    def losses(name):
-        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
-    full_losses, resumed_losses = losses("full.jsonl"), losses("resumed.jsonl")
-    assert len(full_losses) == 4 and len(resumed_losses) == 2
-    assert resumed_losses == pytest.approx(full_losses[2:], abs=TOL)
+    def records(name, key):
+        lines = (json.loads(line) for line in (tmp_path / name).read_text().splitlines())
+        return {r["step"]: r[key] for r in lines if key in r}
+    full_losses, resumed_losses = records("full.jsonl", "loss"), records("resumed.jsonl", "loss")
+    assert list(full_losses) == [1, 2, 3, 4] and list(resumed_losses) == [3, 4]
+    assert [resumed_losses[s] for s in (3, 4)] == pytest.approx([full_losses[s] for s in (3, 4)], abs=TOL)
+    if interlock:  # validation at steps 0, 2 and 4 (the resumed run: 4)
+        assert records("resumed.jsonl", "val_loss")[4] == pytest.approx(records("full.jsonl", "val_loss")[4], abs=TOL)

@@ -218,6 +218,16 @@ def test_default_corpus_tokens(monkeypatch, tmp_path, corpus, wheel_encoding):
     assert tokens[:20].tolist() == wheel_encoding.encode_ordinary(corpus[:200])[:20]
 
 
+def test_default_corpus_cache_hit_skips_building_the_text(monkeypatch, tmp_path):
+    """Every rank of every launch loads the built-in corpus: once cached, its tokens are found by the play
+    files alone, without the Markdown handling (a second or two per rank) or the tokenizer."""
+    monkeypatch.setenv("GPTLITE_CACHE", str(tmp_path))
+    tokens = data.load_tokens()
+    monkeypatch.setattr(data, "_builtin_corpus", lambda: pytest.fail("text built on a cache hit"))
+    monkeypatch.setattr(data, "get_tokenizer", lambda: pytest.fail("tokenizer built on a cache hit"))
+    assert torch.equal(data.load_tokens(), tokens)
+
+
 # --- TokenWindows ----------------------------------------------------------------------------------------------
 
 def test_windows_shapes_and_shift():

@@ -68,8 +68,9 @@ def test_interlock_refused_where_the_step_cannot_be_post_validated(flags, expect
 STEPS = 4
 
 
-def _probe(nprocs, steps, m, cases):
-    run = launch(nprocs, [steps, m, *cases], script="tests/interlock_probe.py", timeout=240)
+def _probe(nprocs, steps, m, cases, dp=1):
+    run = launch(nprocs, [steps, m, *cases], script="tests/interlock_probe.py", timeout=240,
+                 env={"PROBE_DP": str(dp)})
     assert run.ok, run.explain()
     return [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["cases"]
             for out in run.stdout]
@@ -85,17 +86,20 @@ def _assert_interlocked_equals_synchronised(ranks, case):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("p, m, cases", [
-    (2, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never"]),
-    (4, 8, ["zb-h2:bites", "zb-v:nan"]),
-])
-def test_interlocked_steps_train_what_synchronised_steps_train(p, m, cases):
+@pytest.mark.parametrize("p, dp, m, cases", [
+    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never"]),
+    (4, 1, 8, ["zb-h2:bites", "zb-v:nan"]),
+    (2, 2, 4, ["zb-h1:bites", "zb-v:nan"]),  # two data-parallel replicas of a 2-stage pipeline
+], ids=["pp2", "pp4", "pp2xdp2"])
+def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
     """Weights and losses equal step for step; where clipping bites, a stage that stepped on its own norm
     rolled back and redid the step (counted), and one whose own norm already clipped waited; the infinite
-    gradient of one stage skipped that step on every stage, in both runs."""
-    ranks = _probe(p, STEPS, m, cases)
+    gradient of one stage skipped that step on every stage, in both runs. With two data-parallel replicas
+    (each its own data) the losses are the replicas' average, as DeepSpeed's synchronised step returns it."""
+    ranks = _probe(p * dp, STEPS, m, cases, dp=dp)
     for case in cases:
         _assert_interlocked_equals_synchronised(ranks, case)
+        assert all(r[case]["sync_losses"] == ranks[0][case]["sync_losses"] for r in ranks), case  # one average
         scenario = case.split(":")[1]
         if scenario == "bites":
             assert sum(r[case]["rollbacks"] for r in ranks) > 0, case  # the rollback path ran

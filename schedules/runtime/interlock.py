@@ -3,9 +3,9 @@
 `engine.train_batches(data_iter, iterations=k)` runs k steps (each `gradient_accumulation_steps`
 micro-batches) and returns their k losses. Between two steps a rank waits for nobody: its last
 passes, its step, then the next step's first passes, while the other stages still finish theirs.
-With our engines' lean step end (lean_step.py: ZeRO 0, one data-parallel replica) nothing else
-synchronises the stages: ReduceGrads is local, and the loss travels from the last stage as soon as
-its last forward has it.
+With our engines' lean step end (lean_step.py: ZeRO 0) nothing else synchronises the stages:
+ReduceGrads is local (with several data-parallel replicas it brings together the replicas of the
+same stage only), and the loss travels from the last stage as soon as its last forward has it.
 
 What would synchronise is the step's global check: the gradient norm that clipping needs is the
 whole model's, summed over the pipeline. Post-validation (as the Zero Bubble paper proposes) takes
@@ -35,7 +35,7 @@ a traced engine records each validation (`ValidateStep`) and each rollback (`Rol
 import torch
 from deepspeed import comm as dist
 
-from schedules.runtime.lean_step import clip_coefficient, needs_no_reduction, squared_grad_norm
+from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm
 
 
 class StepBackup:
@@ -81,9 +81,11 @@ class Interlock:
     rollbacks = deferred = skipped = validations = 0
 
     def post_validates(self):
-        """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, one data-parallel replica,
-        clipping on (with clipping off there is nothing to validate)."""
-        return (self.gradient_clipping() > 0 and needs_no_reduction(self) and not self.fp16_enabled()
+        """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
+        there is nothing to validate). With several data-parallel replicas every replica's stages hold the
+        reduced gradients, so each replica's pipeline finds the same norm and takes the same decision."""
+        return (self.gradient_clipping() > 0 and self.zero_optimization_stage() == 0
+                and not self.using_bf16_optimizer and not self.has_moe_layers and not self.fp16_enabled()
                 and not self.bfloat16_enabled() and not self.torch_autocast_z0_gradscaler)
 
     def train_batches(self, data_iter=None, iterations=1):

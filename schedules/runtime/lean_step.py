@@ -17,14 +17,16 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   coefficient is 1.
 
 - The loss: DeepSpeed broadcasts it from the last stage after the optimizer step, so every stage
-  waits there for the last one to finish its step. Here, with one data-parallel rank, the last
-  stage sends it as soon as its last forward of the step has computed it, to receives the other
-  stages posted when the step began; at the end of the step it has arrived. Same values, same
-  place (`train_batch`'s return value on every stage).
+  waits there for the last one to finish its step. Here the last stage sends its replica's loss as
+  soon as its last forward of the step has computed it, to receives the other stages posted when
+  the step began; at the end of the step it has arrived. With several data-parallel replicas
+  (fp32), each stage then averages it over its own data-parallel group, the ranks of the same stage,
+  which the gradient reduction has just brought together anyway: the same sum, in the same order, as
+  DeepSpeed's average over the last stages. Same values, same place (`train_batch`'s return value on
+  every stage).
 
-With ZeRO 0 in fp32 and one data-parallel replica, the step itself (clipping, and skipping a step whose
-global gradient norm is not finite, on every stage) is interlock.py's: validated at once here, later
-when steps are interlocked.
+With ZeRO 0 in fp32, the step itself (clipping, and skipping a step whose global gradient norm is not
+finite, on every stage) is interlock.py's: validated at once here, later when steps are interlocked.
 
 Everything else (ZeRO 1, bf16, data parallelism, fp16, MoE, additional losses) goes through
 DeepSpeed unchanged.
@@ -107,8 +109,9 @@ class LeanStep:
     _early_loss = None  # this step: ([works], losses), the loss being received or sent, or None
 
     def _loss_shared_early(self):
-        return (self.is_pipe_parallel and self.dp_world_size == 1 and self.module.training
-                and self.module.get_additional_losses() is None)
+        # several replicas: fp32 only, where the average below is DeepSpeed's to the bit
+        return (self.is_pipe_parallel and self.module.training and self.module.get_additional_losses() is None
+                and (self.dp_world_size == 1 or not (self.fp16_enabled() or self.bfloat16_enabled())))
 
     def _loss_step_start(self):
         self._early_loss, self._loss_forwards = None, 0
@@ -142,7 +145,11 @@ class LeanStep:
         if self.is_last_stage():
             self.agg_additional_losses = None
         self.dp_group_loss = losses[0].clone()
-        return losses[1].clone()
+        average = losses[1].clone()
+        if self.is_data_parallel:
+            dist.all_reduce(average, group=self.mpu.get_data_parallel_group())
+            average /= self.dp_world_size
+        return average
 
     def _exec_reduce_grads(self):
         if not needs_no_reduction(self):
