@@ -11,7 +11,13 @@ from torch.utils.flop_counter import FlopCounterMode
 import deep_model
 import gptlite
 from schedules.observe.memory import SavedTensorTracker
-from schedules.runtime.weight_grad import Linear, accumulate_in_place, apply_weight_grads, defer_weight_grads
+from schedules.runtime.weight_grad import (
+    Linear,
+    accumulate_in_place,
+    apply_weight_grads,
+    defer_weight_grads,
+    spare_grads,
+)
 
 
 def gpt_stage():
@@ -94,6 +100,25 @@ def test_in_place_accumulation_equals_autograds_over_micro_batches(make):
         got = grads(backward)
         for name, ref in reference.items():
             assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6), name
+        assert not any(p.grad.requires_grad for p in stage.parameters())  # no graph recorded by the sums
+
+
+def test_a_steps_first_gradient_is_written_into_the_last_steps_tensor():
+    """spare_grads releases the gradients (None, as after a step) but keeps the linear layers' tensors; the
+    next step's in-place gradients land in them, with the values a fresh backward gives."""
+    stage = deep_stage()
+    x = inputs(stage)
+    reference = torch.autograd.grad(loss_of(stage, x), list(stage.parameters()))
+    for _ in range(2):
+        with accumulate_in_place():
+            loss_of(stage, x).backward()
+        kept = [p.grad for p in stage.parameters()]
+        spare_grads(stage.parameters())
+        assert all(p.grad is None for p in stage.parameters())
+    with accumulate_in_place():
+        loss_of(stage, x).backward()
+    for p, old, ref in zip(stage.parameters(), kept, reference):
+        assert p.grad is old and torch.allclose(p.grad, ref, atol=1e-6)
 
 
 def matmul_flops(fn):

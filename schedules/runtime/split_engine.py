@@ -15,7 +15,8 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   is not held up waiting for its receiver.
 
 With ZeRO 0 in fp32, weight gradients are added into `.grad` by their own multiply (weight_grad.py's
-`accumulate_in_place`), in B, W and fused backwards alike.
+`accumulate_in_place`), in B, W and fused backwards alike, and a step's first one is written into the
+last step's gradient tensor (`spare_grads`).
 
 The step's end skips what one data-parallel rank does not need and clips by the whole model's
 gradient norm, fused (lean_step.py); `train_batches` runs several steps back to back, the step
@@ -37,7 +38,7 @@ from schedules.runtime import messages
 from schedules.runtime.interlock import Interlock
 from schedules.runtime.lean_step import LeanStep, accumulates_in_place
 from schedules.runtime.receive_ahead import ReceiveAhead
-from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
+from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads, spare_grads
 
 
 class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
@@ -127,6 +128,12 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
             self._running_engine_backward = False
         if bf16 and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def zero_grad(self):
+        # after a step: with in-place accumulation, the next step writes its first gradients into these tensors
+        if not self._in_place:
+            return super().zero_grad()
+        spare_grads(self.module.parameters())
 
     # A fused backward computes the weight gradients on the way, as the stock engine does (run as
     # B then W it would hold W's inputs and output gradients at once, for nothing).

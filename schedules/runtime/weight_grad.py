@@ -75,6 +75,30 @@ def accumulate_in_place(enabled=True):
         _in_place = outer
 
 
+def spare_grads(params):
+    """Release the gradients of `params` (`.grad = None`, as zeroing them after a step does) but keep the
+    tensors of those that in-place accumulation wrote, so that the next step's first gradient of each is
+    written into it (`mm(..., out=)`) instead of into new memory: no allocation and no release of a
+    gradient-sized buffer per parameter and step (page faults and unmapping for large ones)."""
+    for p in params:
+        if p.grad is not None and hasattr(p, _SPARE):
+            setattr(p, _SPARE, p.grad)
+        p.grad = None
+
+
+_SPARE = '_spare_grad'  # a parameter's attribute: its last step's gradient tensor, or None (spare_grads)
+
+
+def _first_grad(param, compute_into):
+    """`param`'s first gradient of a step: written into its spare tensor when it has one, else new."""
+    buffer = getattr(param, _SPARE, None)
+    if buffer is not None and buffer.shape == param.shape and buffer.dtype == param.dtype:
+        param.grad = compute_into(buffer)
+    else:
+        param.grad = compute_into(None)
+    setattr(param, _SPARE, None)  # kept between steps from now on (spare_grads)
+
+
 def accumulate(work):
     """Add one work's gradients into its parameters' `.grad` (set it where there is none): its own
     `accumulate()` when it has one (fused into the multiply), else each gradient computed, then added."""
@@ -101,8 +125,9 @@ def apply_weight_grads(queue, in_place=False):
     gradient at a time is alive, not the whole queue's.
     """
     if in_place:
-        for work in queue:
-            accumulate(work)
+        with torch.no_grad():  # as inside autograd's backward: the sums must not record a graph
+            for work in queue:
+                accumulate(work)
         queue.clear()
         return
     roots = [_Computed.apply(param, compute) for work in queue for param, compute in work.gradients()]
@@ -150,18 +175,20 @@ class DeferredLinearGrad:
         return [(p, f) for p, f in ((self.weight, self._weight_grad), (self.bias, self._bias_grad)) if p is not None]
 
     def accumulate(self):
-        """Add this micro-batch's gradients into `.grad`: the weight's by one multiply-add into it."""
+        """Add this micro-batch's gradients into `.grad`: the weight's by one multiply-add into it (the
+        step's first written into the last step's tensor, `spare_grads`)."""
         weight, bias = self.weight, self.bias
+        g, x = self._g(), self.x.reshape(-1, self.x.shape[-1])
         if weight is not None:
             if weight.grad is None:
-                weight.grad = self._weight_grad()
+                _first_grad(weight, lambda out: torch.mm(g.t(), x, out=out))
             else:
-                weight.grad.addmm_(self._g().t(), self.x.reshape(-1, self.x.shape[-1]))
+                weight.grad.addmm_(g.t(), x)
         if bias is not None:
             if bias.grad is None:
-                bias.grad = self._bias_grad()
+                _first_grad(bias, lambda out: torch.sum(g, 0, out=out))
             else:
-                bias.grad.add_(self._bias_grad())
+                bias.grad.add_(g.sum(0))
 
 
 class _LinearFunction(torch.autograd.Function):
