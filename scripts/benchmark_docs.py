@@ -856,7 +856,8 @@ def interlock_section(doc):
         f"`engine.train_batches(iterations={args['iterations']})` (`train.py --interlock K`) against the same "
         f"schedule's steps with a barrier before each, {args['stages']} ranks, the deep model (width "
         f"{args['deep_width']}, depth {args['deep_depth']}), micro-batches of {args['micro_batch_size']}, ZeRO 0, "
-        f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: the span of a step's passes; interlocked: the "
+        f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
+        "rank (median), its ReduceGrads and optimizer step included, as in the predicted makespan; interlocked: the "
         "steady-state period (per rank, end of its step 1 to end of its step K-1, over K-2 steps; the largest). "
         "Predicted: the simulator from the traced steps' own costs (passes, p2p, the engine's time between "
         "instructions, each rank's optimizer step: `simulate(step_cost=...)`), makespan and interlocked period. "
@@ -868,7 +869,7 @@ def interlock_section(doc):
             r = res["schedules"][name]
             gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
             within = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["pred_bubble_interlocked"])) * 100
-            rows.append([NAMES.get(name, name), f"{ms(r['span_s'])} / {ms(r['pred_makespan_s'])}",
+            rows.append([NAMES.get(name, name), f"{ms(r['sync_s'])} / {ms(r['pred_makespan_s'])}",
                          f"{ms(r['period_s'])} / {ms(r['pred_period_s'])}",
                          f"{r['speedup']:.3f} / {r['pred_speedup']:.3f}",
                          f"{gain / pred_gain:.0%}" if pred_gain > 0.005 else "-",
