@@ -16,7 +16,7 @@ from schedules.definitions.dualpipe import DualPipeSchedule
 from schedules.definitions.interleaved import Interleaved1F1BSchedule
 from schedules.definitions.vshape import DualPipeVSchedule, ZBVSchedule
 from schedules.definitions.zero_bubble import ZBH1Schedule, ZBH2Schedule
-from schedules.placement import DualPipeVPlacement, StockPlacement
+from schedules.placement import DualPipeVPlacement, SplitBackwardPlacement, StockPlacement
 
 # Engines (schedules/runtime/__init__.py resolves them); None: the one deepspeed.initialize picks.
 SPLIT_BACKWARD, CHUNKED = 'split-backward', 'chunked'
@@ -44,6 +44,9 @@ def _ours(cls, engine, description):
 SCHEDULES = {spec.name: spec for spec in (
     ScheduleSpec('1f1b', ds.TrainSchedule, StockPlacement,
                  "DeepSpeed's TrainSchedule (1F1B) on its stock PipelineEngine"),
+    ScheduleSpec('1f1b-lean', ds.TrainSchedule, SplitBackwardPlacement,
+                 "DeepSpeed's TrainSchedule (1F1B) on our engine: asynchronous sends, receives posted ahead, the "
+                 "lean step end, in-place gradient accumulation", SPLIT_BACKWARD),
     _ours(ZBH1Schedule, SPLIT_BACKWARD, "ZB-H1: 1F1B with deferred W filling the cool-down"),
     _ours(ZBH2Schedule, SPLIT_BACKWARD, "ZB-H2: extra warm-up forwards, zero bubble when iterations interlock"),
     _ours(Interleaved1F1BSchedule, CHUNKED, "Interleaved 1F1B (Megatron-LM): v chunks per rank, bubble / v"),

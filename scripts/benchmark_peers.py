@@ -39,8 +39,8 @@ from collections import defaultdict
 PAIRS = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
 TORCH_ONLY = {"interleaved-zb": "ScheduleInterleavedZeroBubble"}
-# 1f1b-lean: DeepSpeed's own TrainSchedule (1F1B) run by our split-backward engine (asynchronous sends,
-# receives posted ahead, the lean step's end): what closing the stock engine's gap to PyTorch's 1F1B takes
+# 1f1b-lean (registry.py): DeepSpeed's own TrainSchedule (1F1B) run by our split-backward engine (asynchronous
+# sends, receives posted ahead, the lean step's end): what closing the stock engine's gap to PyTorch's 1F1B takes
 STOCK_ON_OURS = "1f1b-lean"
 OURS_ONLY = ("zb-h1", "zb-h2", "dualpipe", STOCK_ON_OURS)
 STEP_OPS = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")  # our instructions that are not the schedule
@@ -115,17 +115,6 @@ class StepClock:
 
     def next_pair(self):
         return 0
-
-
-def register_stock_on_ours():
-    from deepspeed.runtime.pipe import schedule as ds
-
-    from schedules.placement import SplitBackwardPlacement
-    from schedules.registry import SPLIT_BACKWARD, available_schedules, register_schedule
-    if STOCK_ON_OURS not in available_schedules():
-        register_schedule(STOCK_ON_OURS, ds.TrainSchedule, SplitBackwardPlacement,
-                          "DeepSpeed's TrainSchedule on our split-backward engine", engine=SPLIT_BACKWARD,
-                          trains=False)
 
 
 def full_layers(args):
@@ -388,7 +377,6 @@ def table(rows, cmp, m, clip):
 def main(argv=None):
     args = parse_args(argv)
     args.schedules = args.schedules or [*PAIRS, *TORCH_ONLY, *OURS_ONLY]
-    register_stock_on_ours()
     if args.worker_out:
         return worker(args)
     if args.device != "cpu":

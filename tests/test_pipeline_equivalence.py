@@ -49,11 +49,12 @@ def test_pipeline_matches_non_pipelined(nprocs, flags, sgd_config, reference, tm
     assert_same_training(train(tmp_path, nprocs, flags, sgd_config(), MICRO_BATCHES, dp=dp), reference)
 
 
-# Zero-bubble schedules (split backward) against the same non-pipelined runs, which stock 1F1B
-# matches above: p = 2 and 4, several micro-batch counts, both builds, activation checkpointing,
-# ZeRO 0 and 1, data parallelism beside the pipeline.
+# Zero-bubble schedules (split backward), and 1F1B on our engine (1f1b-lean), against the same non-pipelined
+# runs, which stock 1F1B matches above: p = 2 and 4, several micro-batch counts, both builds, activation
+# checkpointing, ZeRO 0 and 1, data parallelism beside the pipeline.
 ZB_CASES = {
     "zb-h1-pp2-m8": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 8, 1),
+    "1f1b-lean-pp2-m4-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "1f1b-lean"], 4, 0),
     "zb-h1-pp2-m4-spec-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-h1",
                                     "--pipeline-spec-layers"], 4, 0),
     "zb-h1-pp4-m8-spec-ckpt1": (4, ["--pipeline-parallel-size", "4", "--pipeline-schedule", "zb-h1",
