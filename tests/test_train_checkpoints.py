@@ -64,7 +64,7 @@ def test_checkpoint_records_the_run(trained):
 # name: (world size, flags instead of 1F1B at 2 stages, what the line names)
 REFUSED = {
     "another-schedule-family": (2, [*PP2, "--pipeline-schedule", "zb-v"],
-                                "--pipeline-schedule 1f1b or zb-h1 or zb-h2"),
+                                "--pipeline-schedule 1f1b or 1f1b-lean or zb-h1 or zb-h2"),
     "interleaved": (2, [*PP2, "--pipeline-schedule", "interleaved"], "--pipeline-schedule 1f1b"),
     "another-stage-count": (2, ["--pipeline-parallel-size", "1"], "--pipeline-parallel-size 2"),
     "no-pipeline": (1, ["--pipeline-parallel-size", "0"], "--pipeline-parallel-size 2"),
