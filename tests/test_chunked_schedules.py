@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from local_launch import launch
-from training import TINY_CHUNKED, TOL, assert_same_training, train
+from training import TINY_CHUNKED, TOL, assert_same_training, train, write_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -90,12 +90,7 @@ def test_bf16_matches_stock_1f1b(schedule, bf16_stock, sgd_config, tmp_path):
 @pytest.fixture(scope="module")
 def zero0_config(tmp_path_factory):
     """ds_config.json (AdamW, warm-up LR schedule, clipping 1.0) with ZeRO 0: what --interlock needs."""
-    from local_launch import ROOT
-    cfg = json.loads((ROOT / "ds_config.json").read_text())
-    cfg["zero_optimization"]["stage"] = 0
-    path = tmp_path_factory.mktemp("cfg") / "zero0.json"
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_config(tmp_path_factory.mktemp("cfg") / "zero0.json", zero=0)
 
 
 @pytest.mark.parametrize("schedule, interlock", [("zb-v", True), ("dualpipe", False)])

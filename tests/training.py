@@ -19,13 +19,20 @@ COMMON = ["--steps", "2", "--seed", "3", "--optimizer", "sgd", "--lr", "0.5", "-
           "--dist-timeout", "120", "--eval-interval", "2", "--eval-batches", "1"]
 
 
-def write_sgd_config(path, zero=1, clip=0.0):
+def write_config(path, zero=1, clip=None, scheduler=True):
+    """ds_config.json with ZeRO stage `zero`, clipping `clip` (None: as it is there), its LR schedule or none."""
     cfg = json.loads((ROOT / "ds_config.json").read_text())
-    cfg.pop("scheduler")
-    cfg["gradient_clipping"] = clip
+    if not scheduler:
+        cfg.pop("scheduler")
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
     cfg["zero_optimization"]["stage"] = zero
     path.write_text(json.dumps(cfg))
     return path
+
+
+def write_sgd_config(path, zero=1, clip=0.0):
+    return write_config(path, zero, clip, scheduler=False)
 
 
 def train(tmp_path, nprocs, flags, config, micro_batches, dp=1, model=TINY, timeout=240):

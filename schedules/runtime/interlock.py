@@ -35,7 +35,7 @@ a traced engine records each validation (`ValidateStep`) and each rollback (`Rol
 import torch
 from deepspeed import comm as dist
 
-from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm
+from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zero0_fp32
 
 
 class StepBackup:
@@ -84,9 +84,8 @@ class Interlock:
         """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
         there is nothing to validate). With several data-parallel replicas every replica's stages hold the
         reduced gradients, so each replica's pipeline finds the same norm and takes the same decision."""
-        return (self.gradient_clipping() > 0 and self.zero_optimization_stage() == 0
-                and not self.using_bf16_optimizer and not self.has_moe_layers and not self.fp16_enabled()
-                and not self.bfloat16_enabled() and not self.torch_autocast_z0_gradscaler)
+        return (self.gradient_clipping() > 0 and zero0_fp32(self) and not self.has_moe_layers
+                and not self.torch_autocast_z0_gradscaler)
 
     def train_batches(self, data_iter=None, iterations=1):
         """`iterations` training steps back to back: [loss of each step], as `train_batch` returns it. When it

@@ -42,15 +42,18 @@ def needs_no_reduction(engine):
             and engine.dp_world_size == 1 and not engine.has_moe_layers)
 
 
+def zero0_fp32(engine):
+    """ZeRO 0 in fp32: the gradients and the optimizer step are plain torch ones, with no ZeRO, fp16 or BF16
+    optimizer of DeepSpeed's hooking or reading them, so our engines may take them over."""
+    return (engine.zero_optimization_stage() == 0 and not engine.using_bf16_optimizer
+            and not engine.fp16_enabled() and not engine.bfloat16_enabled())
+
+
 def accumulates_in_place(engine):
     """True when weight gradients may be added into `.grad` by their own multiply (weight_grad.accumulate_in_place):
-    ZeRO 0 in fp32 (DeepSpeed's ZeRO, fp16 and BF16 optimizers hook or read gradients as they accumulate) and
-    no hook on any parameter."""
-    if (engine.zero_optimization_stage() != 0 or engine.using_bf16_optimizer or engine.fp16_enabled()
-            or engine.bfloat16_enabled()):
-        return False
-    return not any(p._backward_hooks or getattr(p, '_post_accumulate_grad_hooks', None)
-                   for p in engine.module.parameters())
+    ZeRO 0 in fp32 and no hook on any parameter."""
+    return zero0_fp32(engine) and not any(p._backward_hooks or getattr(p, '_post_accumulate_grad_hooks', None)
+                                          for p in engine.module.parameters())
 
 
 def zero_missing_grads(module):

@@ -75,6 +75,9 @@ def accumulate_in_place(enabled=True):
         _in_place = outer
 
 
+_SPARE = '_spare_grad'  # a parameter's attribute: its last step's gradient tensor, or None (spare_grads)
+
+
 def spare_grads(params):
     """Release the gradients of `params` (`.grad = None`, as zeroing them after a step does) but keep the
     tensors of those that in-place accumulation wrote, so that the next step's first gradient of each is
@@ -84,9 +87,6 @@ def spare_grads(params):
         if p.grad is not None and hasattr(p, _SPARE):
             setattr(p, _SPARE, p.grad)
         p.grad = None
-
-
-_SPARE = '_spare_grad'  # a parameter's attribute: its last step's gradient tensor, or None (spare_grads)
 
 
 def _first_grad(param, compute_into):
