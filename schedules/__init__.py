@@ -89,8 +89,10 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     spec = schedule_spec(schedule, virtual_stages)
     engine_cls = engine_class(spec)
     if engine_cls is None and not (trace and isinstance(model, PipelineModule)):
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    config=config, **kwargs)
+        built = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                     config=config, **kwargs)
+        _warn_first_stage_clipping(built[0], spec)
+        return built
     if not isinstance(model, PipelineModule):
         raise ValueError(f"pipeline schedule '{schedule}' needs a PipelineModule (--pipeline-parallel-size >= 2)")
     from deepspeed import set_optimizer_flags
@@ -115,7 +117,28 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     engine._configure_python_gc()
     if ours:
         _report_deferral(engine, spec, *deferrable)
+    else:
+        _warn_first_stage_clipping(engine, spec)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _warn_first_stage_clipping(engine, spec):
+    """DeepSpeed 0.19.8's own pipeline engines with ZeRO 0 in fp32 clip by the first stage's gradient norm:
+    `runtime/utils.clip_grad_norm_` counts only the parameters of model-parallel rank 0 (or marked
+    tensor-parallel), and in a pipeline grid the model-parallel group is the pipeline, so rank 0 is the
+    first stage. One warning (global rank 0) naming the fix; the training itself is DeepSpeed's."""
+    import sys
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    # the condition of DeepSpeedEngine._take_model_step's call of clip_fp32_gradients
+    if not (isinstance(engine, PipelineEngine) and engine.num_stages > 1 and engine.gradient_clipping() > 0
+            and not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
+            and engine.global_rank == 0):
+        return
+    print(f"[schedules] {spec.name}: warning: DeepSpeed's own pipeline engine with ZeRO 0 clips every stage by "
+          f"the first stage's gradient norm, not the model's (gradient_clipping {engine.gradient_clipping()}); "
+          f"for the whole model's norm use ZeRO stage 1 or one of our engines (e.g. --pipeline-schedule 1f1b-lean, "
+          f"the same 1F1B order)", file=sys.stderr, flush=True)
 
 
 def _report_deferral(engine, spec, layers, elements, total):

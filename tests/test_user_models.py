@@ -18,9 +18,10 @@ SPLITS = {"zb-h1", "zb-h2", "zb-v", "dualpipev", "dualpipe"}  # schedules with B
 OURS_FUSED = {"interleaved"}  # our engine, every backward fused
 
 
-def run(ranks, model, schedules, micro_batches=8, clip=0.0, checkpoint=0, save=None):
+def run(ranks, model, schedules, micro_batches=8, clip=0.0, checkpoint=0, save=None, zero=1):
     done = launch(ranks, [model, micro_batches, *schedules, "--clip", clip, "--checkpoint", checkpoint,
-                          *(["--save", save] if save else [])], script="tests/user_model_probe.py", timeout=400)
+                          "--zero", zero, *(["--save", save] if save else [])],
+                  script="tests/user_model_probe.py", timeout=400)
     assert done.ok, done.explain()
     results = [json.loads(line) for line in done.stdout[0].splitlines() if line.startswith("{")]
     assert [r["schedule"] for r in results] == list(schedules)
@@ -74,6 +75,33 @@ def test_tied_model_with_clipping_biting_and_checkpointing_by_class_name():
     for r in results:
         assert all(norm > 0.05 for norm in r["grad_norms"]), r["schedule"]  # the clipping changed both steps
         assert all(n > 0 for n in r["checkpointed"]), (r["schedule"], r["checkpointed"])
+
+
+DEEPSPEED_OWN = {"1f1b", "dualpipev-deepspeed"}  # DeepSpeed's engines, ours not involved
+
+
+@pytest.mark.parametrize("model,clip", [("tied", 0.05), ("masked", 0.0)])
+def test_zero_0_adds_weight_gradients_in_place(model, clip):
+    """At ZeRO 0 in fp32 our engines add each weight gradient into .grad by its multiply (in-place
+    accumulation, spare gradient tensors between steps): on the user's models, a tied weight that gets its
+    gradient from two layers and clipping that bites (post-validated) included, training is still exact.
+
+    With clipping, DeepSpeed's own engines at ZeRO 0 clip by the first stage's norm (DeepSpeed 0.19.8's
+    clip_grad_norm_ counts model-parallel rank 0's parameters only), so they are not exact there: initialize
+    warns, and the stock 1F1B run shows the difference (when a DeepSpeed upgrade fixes it, this fails and the
+    warning goes)."""
+    schedules = [s for s in ALL if not (clip and s in DEEPSPEED_OWN)] + (["1f1b"] if clip else [])
+    results, stderr = run(2, model, schedules, clip=clip, zero=0)
+    check([r for r in results if not (clip and r["schedule"] in DEEPSPEED_OWN)])
+    assert any("added into .grad by their multiply" in err for err in stderr)
+    if clip:
+        for r in results:
+            assert all(norm > clip for norm in r["grad_norms"]), r["schedule"]
+        stock = results[-1]
+        assert stock["loss_diff"] > 1e3 * TOL, stock  # clipped by the first stage's norm
+        assert any("clips every stage by the first stage's gradient norm" in err for err in stderr)
+    else:
+        assert not any("first stage's gradient norm" in err for err in stderr)
 
 
 def test_the_readme_example_trains():

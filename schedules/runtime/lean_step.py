@@ -8,9 +8,9 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   over a group of one rank and copies it back: an exact no-op, tens of milliseconds. Here it only
   does what it has to: give a trainable parameter without a gradient a zero one (DeepSpeed does,
   so that the optimizer steps it as before).
-- Gradient clipping with ZeRO 0 (fp32) takes one Python norm per parameter, a tensor per step, and,
-  through DeepSpeed's model-parallel group, reduces the norm over the tensor-parallel ranks only:
-  every stage clips by its own norm, not the model's. Here the norm is the whole model's, as the
+- Gradient clipping with ZeRO 0 (fp32) takes one Python norm per parameter, a tensor per step, and
+  counts only the parameters of model-parallel rank 0, which in a pipeline grid is the first stage:
+  every stage clips by the first stage's norm, not the model's. Here the norm is the whole model's, as the
   non-pipelined model and ZeRO 1 clip: fused per-tensor norms (one kernel per dtype), one
   all-reduce of a scalar over the pipeline group, each parameter counted once (DualPipe's second
   copies and tied copies are marked `ds_pipe_replicated`), and no scaling at all when the
