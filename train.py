@@ -91,6 +91,10 @@ def parse_args(argv=None):
     p.flag("--interlock", type=int, default=1,
            help="pipeline steps run back to back per call (engine.train_batches): each stage steps and goes on "
                 "without waiting for the others; clipping post-validated. 1 = one step per call")
+    p.flag("--post-validation", default="auto", choices=["auto", "ahead", "wait"],
+           help="with --interlock and clipping: a stage whose own norm does not clip steps before the model's norm "
+                "arrives (ahead: a backup, a rollback if the norm clips) or waits for it (wait); auto: ahead where "
+                "the rank measured the norm's wait longer than the backup. Same training either way")
     p.flag("--dist-timeout", type=int, default=600, help="seconds before a stuck collective or silent rank fails")
     import deepspeed
     p = deepspeed.add_config_arguments(p)
@@ -360,6 +364,8 @@ def build_engine(args, cfg):
                                                    model_parameters=trainable, config=cfg)
     if getattr(scheduler, "last_batch_iteration", 0) < 0:  # DeepSpeed's schedulers start before iteration 0, at
         scheduler.step(0)  # learning rate 0, so the first step would not train: it trains at iteration 0's rate
+    if hasattr(engine, "post_validation"):
+        engine.post_validation = args.post_validation
     if args.save_dir:
         engine.checkpoint_engine = NamedFiles(engine.checkpoint_engine, args.save_dir)
     return engine, criterion

@@ -8,15 +8,20 @@ For each micro-batch count, ONE launch of 2 ranks (one thread each) builds an en
 fp32, fused AdamW) and runs, in rounds with the order rotating:
 - `sync`: K steps, a barrier before each (what a synchronising step end does: every stage starts together);
 - `interlocked`: one `train_batches(iterations=K)` call, clipping off (nothing to validate);
-- `clipped` (schedules whose engine post-validates): the same call with clipping at a threshold between the
-  norms the steps have (the median of the warm-up's global norms), so that some steps roll back.
+- `clipped-ahead`, `clipped-wait`, `clipped-auto` (schedules whose engine post-validates): the same call with
+  clipping at a threshold between the norms the steps have (the median of K synchronised steps' global
+  norms, measured again each round before the clipped calls), under
+  each post-validation policy (`engine.post_validation`): stepping ahead of the model's norm (so that some
+  steps roll back), waiting for it, and choosing per rank by the measured costs.
 Every step is traced. Measured: the synchronised step (per step the slowest rank's time after the barrier, its
 ReduceGrads and optimizer step included as in the predicted makespan; median) and its bubble per rank
 (1 - busy / span); the interlocked period (per rank, the time between the ends of its passes of steps 1 and
-K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period). Predicted, from the
-costs of the traced steps (pass times, p2p latency by ping-pong, the send / receive time on their rank, the
-engine's time between instructions, and each rank's optimizer step as traced): the synchronised makespan and
-the interlocked period (simulate(..., iterations=K)), their bubbles, and the speed-up period / makespan.
+K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period). Predicted, each run from
+its own traced costs (pass times, p2p latency by ping-pong, the send / receive time on their rank, the engine's
+time between instructions, and each rank's optimizer step as traced): the synchronised makespan from the
+synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the interlocked run's,
+and the speed-up makespan / period; beside it ("order") the period predicted from the synchronised run's costs
+too, the gain of the interlocked order alone.
 """
 import argparse
 import json
@@ -26,6 +31,7 @@ import tempfile
 import time
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
+CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto"]  # clipping on, per post-validation policy
 
 
 def parse_args(argv=None):
@@ -81,7 +87,7 @@ def worker(args):
     for engine in engines.values():
         engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
     latency = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4, torch.device("cpu"), lambda: None)
-    modes = {name: ["sync", "interlocked"] + (["clipped"] if hasattr(engines[name], "post_validates") else [])
+    modes = {name: ["sync", "interlocked"] + (CLIPPED if hasattr(engines[name], "post_validates") else [])
              for name in args.schedules}
     runs = {name: {mode: [] for mode in modes[name]} for name in args.schedules}  # per round: step times
     thresholds = {}
@@ -94,7 +100,10 @@ def worker(args):
         for name in order:
             engine = engines[name]
             for mode in modes[name]:
-                engine._config.gradient_clipping = thresholds.get(name, 0.0) if mode == "clipped" else 0.0
+                clipped = mode in CLIPPED
+                engine._config.gradient_clipping = thresholds.get(name, 0.0) if clipped else 0.0
+                if clipped:
+                    engine.post_validation = mode.split("-")[1]
                 tracer = engine.tracer
                 tracer.start_iteration(0)
                 tracer.passes, tracer.p2p, tracer.other = [], [], []
@@ -109,19 +118,22 @@ def worker(args):
                         engine.train_batch(iter(batches[s * m:(s + 1) * m]))
                         times.append(time.perf_counter() - t0)
                 else:
-                    rollbacks = getattr(engine, "rollbacks", 0)
+                    rollbacks, waited = getattr(engine, "rollbacks", 0), getattr(engine, "waited", 0)
                     t0 = time.perf_counter()
                     train_batches(engine, iter(batches), iterations=k)
                     times = [time.perf_counter() - t0]
                 tracer.stop()
                 record = {"times": times, "passes": [p.__dict__ for p in tracer.passes], "p2p": tracer.p2p,
                           "other": tracer.other}
-                if mode == "clipped":
+                if clipped:
                     record["rollbacks"] = engine.rollbacks - rollbacks
-                if r == 0 and mode == "interlocked" and hasattr(engine, "post_validates"):
-                    thresholds[name] = _median_norm(engine, batches, m, k)
+                    record["waited"] = engine.waited - waited
                 if r > 0:
+                    record["threshold"] = thresholds.get(name)
                     runs[name][mode].append(record)
+                if mode == "interlocked" and hasattr(engine, "post_validates"):
+                    # every round: training moves the norms, and a threshold from the first round soon clips nothing
+                    thresholds[name] = _median_norm(engine, batches, m, k)
     result = {"rank": rank, "latency_s": latency, "runs": runs, "thresholds": thresholds}
     with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -178,30 +190,42 @@ def _busy_per_step(timeline, rank, steps):
     return sum(p.duration for p in timeline.ranks[rank] if p.iteration in steps) / len(steps)
 
 
-def analyse(ranks, args, m):
+def _predict(spec, ranks, name, mode, i, timeline, latency, args):
+    """The simulator's prediction of run `mode` of round i from that run's own traced costs: pass times (means),
+    the send / receive time on their rank, the engine's time between instructions, and each rank's optimizer step
+    (ReduceGrads and OptimizerStep, per step) as traced."""
     from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu
-    from schedules.registry import schedule_spec
     from schedules.simulator.simulate import simulate
+    k = args.iterations
+    p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
+    step_cost = {rank: sum(e - s for n, s, e, _ in r["runs"][name][mode][i]["other"]
+                           if n in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")) / k
+                 for rank, r in enumerate(ranks)}
+    cpu = measured_p2p_cpu(p2p) if spec.placement.async_sends else (0.0, 0.0)
+    return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
+                    costs=measured_costs(timeline), latency=latency, p2p_cpu=cpu,
+                    dispatch=measured_dispatch(timeline, p2p), iterations=k, step_cost=step_cost)
+
+
+def analyse(ranks, args, m):
+    from schedules.registry import schedule_spec
     k, p = args.iterations, args.stages
     latency = statistics.median(r["latency_s"] for r in ranks)
     rows = {}
     for name in args.schedules:
         spec = schedule_spec(name)
         row = {"sync_s": [], "span_s": [], "period_s": [], "pred_makespan_s": [], "pred_period_s": [],
+               "pred_period_sync_costs_s": [],
                "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
                "pred_bubble_sync": [[] for _ in range(p)], "pred_bubble_interlocked": [[] for _ in range(p)],
                "call_s": []}
         for i in range(args.rounds):
             sync = _timeline(ranks, name, "sync", i, m, args)
             inter = _timeline(ranks, name, "interlocked", i, m, args)
-            p2p = [r["runs"][name]["sync"][i]["p2p"] for r in ranks]
-            # each rank's optimizer step as traced (ReduceGrads and OptimizerStep), per step
-            step_cost = {rank: sum(e - s for n, s, e, _ in r["runs"][name]["sync"][i]["other"]
-                                   if n in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")) / k
-                         for rank, r in enumerate(ranks)}
-            cpu = measured_p2p_cpu(p2p) if spec.placement.async_sends else (0.0, 0.0)
-            pred = simulate(spec.factory, p, m, placement=spec.placement, costs=measured_costs(sync), latency=latency,
-                            p2p_cpu=cpu, dispatch=measured_dispatch(sync, p2p), iterations=k, step_cost=step_cost)
+            # each run predicted from its own costs (passes, p2p, dispatch, each rank's optimizer step); the
+            # interlocked period also from the synchronised run's costs: what the order alone changes
+            pred = _predict(spec, ranks, name, "sync", i, sync, latency, args)
+            own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args)
             # a synchronised step: the slowest rank's train_batch after the barrier, its ReduceGrads and optimizer
             # step included, as the simulator's makespan includes them (step_cost)
             times = [r["runs"][name]["sync"][i]["times"] for r in ranks]
@@ -212,34 +236,40 @@ def analyse(ranks, args, m):
             period = _period(inter, k)
             row["period_s"].append(period)
             row["pred_makespan_s"].append(pred.makespan)
-            row["pred_period_s"].append(pred.period)
+            row["pred_period_s"].append(own.period)
+            row["pred_period_sync_costs_s"].append(pred.period)
             middle = range(1, k - 1)
             for r in range(p):
                 row["bubble_sync"][r].append(statistics.median(1 - sync.busy(r, s) / (t1 - t0)
                                                                for s, (t0, t1) in zip(sync.iterations(), spans)))
                 row["bubble_interlocked"][r].append(1 - _busy_per_step(inter, r, middle) / period)
                 row["pred_bubble_sync"][r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
-                row["pred_bubble_interlocked"][r].append(pred.per_rank[r]["idle_interlocked"] / pred.period)
+                row["pred_bubble_interlocked"][r].append(own.per_rank[r]["idle_interlocked"] / own.period)
         out = {key: (statistics.median(v) if v and not isinstance(v[0], list) else [statistics.median(x) for x in v])
                for key, v in row.items()}
-        # the speed-ups: measured, synchronised step time over interlocked period; predicted, makespan / period
+        # the speed-ups: measured, synchronised step time over interlocked period; predicted, makespan / period,
+        # each from its run's own costs, and from the synchronised run's costs alone (the order's own gain)
         out["speedup"] = out["sync_s"] / out["period_s"]
         out["speedup_wall"] = out["sync_s"] / out["call_s"]
         out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
-        if "clipped" in ranks[0]["runs"][name]:
-            clipped = [ranks[r]["runs"][name]["clipped"] for r in range(p)]
+        out["pred_speedup_order"] = out["pred_makespan_s"] / out["pred_period_sync_costs_s"]
+        for mode in CLIPPED:
+            if mode not in ranks[0]["runs"][name]:
+                continue
+            clipped = [ranks[r]["runs"][name][mode] for r in range(p)]
             steps = args.rounds * k
             rollbacks = [sum(c["rollbacks"] for c in runs) for runs in clipped]
-            cost = [[e - s for runs in clipped for c in runs for n, s, e, _ in c["other"] if n == "Rollback"]
-                    for _ in [0]][0]
+            cost = [e - s for runs in clipped for c in runs for n, s, e, _ in c["other"] if n == "Rollback"]
             validate = [statistics.median([e - s for c in runs for n, s, e, _ in c["other"] if n == "ValidateStep"]
                                           or [0.0]) for runs in clipped]
-            periods = [_period(_timeline(ranks, name, "clipped", i, m, args), k) for i in range(args.rounds)]
-            out["clipped"] = {"threshold": ranks[0]["thresholds"].get(name), "steps": steps,
-                              "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
-                              "rollback_s": statistics.median(cost) if cost else None,
-                              "validate_s_per_rank": validate, "period_s": statistics.median(periods),
-                              "speedup": out["sync_s"] / statistics.median(periods)}
+            periods = [_period(_timeline(ranks, name, mode, i, m, args), k) for i in range(args.rounds)]
+            out.setdefault("clipped", {})[mode.split("-")[1]] = {
+                "threshold": statistics.median(c["threshold"] for c in clipped[0]), "steps": steps,
+                "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
+                "waited_per_rank": [sum(c["waited"] for c in runs) for runs in clipped],
+                "rollback_s": statistics.median(cost) if cost else None,
+                "validate_s_per_rank": validate, "period_s": statistics.median(periods),
+                "speedup": out["sync_s"] / statistics.median(periods)}
         rows[name] = out
     return {"latency_s": latency, "schedules": rows}
 
@@ -249,21 +279,21 @@ def table(res, m):
              f"period; bubble per rank "
              f"measured / predicted",
              f"{'schedule':10} {'sync ms':>8} {'pred ms':>8} {'inter ms':>8} {'pred ms':>8} {'speed-up':>8} "
-             f"{'pred':>6} {'ratio':>6}  bubble sync | interlocked"]
+             f"{'pred':>6} {'order':>6} {'ratio':>6}  bubble sync | interlocked"]
     for name, r in res["schedules"].items():
         bub = lambda a, b: " ".join(f"{x:5.1%}/{y:5.1%}" for x, y in zip(r[a], r[b]))  # noqa: E731
         gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
         ratio = f"{gain / pred_gain:6.0%}" if pred_gain > 0.01 else "     -"
         lines.append(f"{name:10} {r['sync_s'] * 1e3:8.1f} {r['pred_makespan_s'] * 1e3:8.1f} "
                      f"{r['period_s'] * 1e3:8.1f} {r['pred_period_s'] * 1e3:8.1f} {r['speedup']:8.3f} "
-                     f"{r['pred_speedup']:6.3f} {ratio}  {bub('bubble_sync', 'pred_bubble_sync')} | "
+                     f"{r['pred_speedup']:6.3f} {r['pred_speedup_order']:6.3f} {ratio}  "
+                     f"{bub('bubble_sync', 'pred_bubble_sync')} | "
                      f"{bub('bubble_interlocked', 'pred_bubble_interlocked')}")
-        c = r.get("clipped")
-        if c:
+        for policy, c in r.get("clipped", {}).items():
             cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
-            lines.append(f"{'':10} clipping at {c['threshold']:.3g}: rollbacks {c['rollbacks_per_rank']} of "
-                         f"{c['steps']} steps per rank ({c['rollback_rate']:.0%}), a rollback {cost}, validation "
-                         f"wait per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
+            lines.append(f"{'':10} clipping at {c['threshold']:.3g}, {policy:5}: rollbacks {c['rollbacks_per_rank']}, "
+                         f"waited {c['waited_per_rank']} of {c['steps']} steps per rank, a rollback {cost}, "
+                         f"validation per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
                          f"period {c['period_s'] * 1e3:.1f} ms, speed-up {c['speedup']:.3f}")
     return lines
 

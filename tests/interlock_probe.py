@@ -74,12 +74,13 @@ def main(steps, m, cases):
     stages = dist.get_world_size() // DP
     report = {"rank": dist.get_rank(), "cases": {}}
     for case in cases:
-        schedule, scenario = case.split(":")
+        schedule, scenario, *policy = case.split(":")  # policy: the post-validation policy, "ahead" unless named
         clip = {"off": 0.0, "never": 1e9, "nan": 1e9}.get(scenario)
         if scenario == "bites":
             seen = sorted(norms(schedule, stages, steps, m))
             clip = (seen[len(seen) // 2 - 1] + seen[len(seen) // 2]) / 2  # between two steps' norms: half clip
         sync, inter = engine(schedule, stages, m, clip), engine(schedule, stages, m, clip)
+        inter.post_validation = policy[0] if policy else "ahead"
         if scenario == "nan":
             inject(sync)
             inject(inter)
@@ -90,6 +91,7 @@ def main(steps, m, cases):
         finite = all(torch.isfinite(p).all().item() for p in inter.module.parameters())
         report["cases"][case] = {"clip": clip, "max_diff": diff, "finite": finite, "sync_losses": sync_losses,
                                  "losses": inter_losses, "rollbacks": inter.rollbacks, "deferred": inter.deferred,
+                                 "waited": inter.waited,
                                  "skipped": inter.skipped, "sync_skipped": sync.skipped,
                                  "validations": inter.validations, "pending": inter._pending is not None}
     print(json.dumps(report), flush=True)

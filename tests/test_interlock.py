@@ -87,7 +87,7 @@ def _assert_interlocked_equals_synchronised(ranks, case):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, dp, m, cases", [
-    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never"]),
+    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto"]),
     (4, 1, 8, ["zb-h2:bites", "zb-v:nan"]),
     (2, 2, 4, ["zb-h1:bites", "zb-v:nan"]),  # two data-parallel replicas of a 2-stage pipeline
 ], ids=["pp2", "pp4", "pp2xdp2"])
@@ -100,8 +100,11 @@ def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
     for case in cases:
         _assert_interlocked_equals_synchronised(ranks, case)
         assert all(r[case]["sync_losses"] == ranks[0][case]["sync_losses"] for r in ranks), case  # one average
-        scenario = case.split(":")[1]
-        if scenario == "bites":
+        scenario, *policy = case.split(":")[1:]
+        if policy == ["wait"]:  # never ahead of the norm: no backup, no rollback, and the same training
+            assert all(r[case]["rollbacks"] == 0 for r in ranks), case
+            assert sum(r[case]["waited"] for r in ranks) > 0, case
+        elif scenario == "bites":
             assert sum(r[case]["rollbacks"] for r in ranks) > 0, case  # the rollback path ran
             assert all(r[case]["validations"] == STEPS for r in ranks)
         if scenario == "never":
@@ -131,3 +134,63 @@ def test_the_simulator_charges_each_ranks_optimizer_step():
     assert (base.makespan, base.period) == (13.0, 12.0)
     assert stepped.makespan == 13.5 and stepped.period == 13.0  # each rank ends later by its own step
     assert [r["busy"] for r in stepped.per_rank] == [r["busy"] for r in base.per_rank]  # passes only
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_backup_restores_parameters_and_optimizer_state_exactly(fused):
+    """StepBackup: after a restore, parameters and every optimizer state tensor equal the saved ones bitwise,
+    in the same tensors (a fused optimizer keeps its buffers); state the step created (AdamW's, at its first
+    step) is dropped; the copies are allocated once and reused."""
+    import torch
+
+    from schedules.runtime.interlock import StepBackup
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    backup = StepBackup()
+
+    def step():
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt.step()
+
+    backup.save(params, opt)  # before the first step: no state yet
+    step()
+    backup.restore(opt)
+    assert all(q not in opt.state for q in params)
+    step()
+    step()
+    before = [q.detach().clone() for q in params]
+    state = {q: {k: (v, v.clone()) for k, v in opt.state[q].items()} for q in params}
+    backup.save(params, opt)
+    copies = list(backup._copies)
+    step()
+    assert not torch.equal(params[0], before[0])
+    backup.restore(opt)
+    assert all(torch.equal(q, b) for q, b in zip(params, before))
+    for q in params:
+        assert set(opt.state[q]) == set(state[q])
+        for k, (tensor, value) in state[q].items():
+            assert opt.state[q][k] is tensor and torch.equal(tensor, value), k
+    backup.save(params, opt)
+    assert all(a is b for a, b in zip(backup._copies, copies))  # reused
+
+
+def test_the_ahead_policy_steps_ahead_only_where_the_norm_takes_longer_than_a_backup():
+    from schedules.runtime.interlock import AheadPolicy
+    assert AheadPolicy("ahead").steps_ahead() and not AheadPolicy("wait").steps_ahead()
+    with pytest.raises(ValueError, match="post-validation policy 'soon'"):
+        AheadPolicy("soon")
+    auto = AheadPolicy()
+    assert auto.steps_ahead()  # nothing measured yet: ahead, which times the backup
+    auto.backed_up(0.010, norm_arrived=True)  # the norm was there before the 10 ms backup was done: not worth it
+    assert not auto.steps_ahead()
+    auto.waited_for_norm(0.030, waited=False)  # in hand 30 ms after (arrived earlier): the step ahead said no
+    assert not auto.steps_ahead()
+    auto.waited_for_norm(0.025, waited=True)  # had to wait for it, 25 ms after: a 10 ms backup pays
+    assert auto.steps_ahead()
+    auto.backed_up(0.010, norm_arrived=False)  # still out after the backup: ahead again
+    assert auto.steps_ahead()
+    auto.backed_up(0.010, norm_arrived=True)
+    auto.waited_for_norm(0.004, waited=True)  # 4 ms: waiting is cheaper
+    assert not auto.steps_ahead()

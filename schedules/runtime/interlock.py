@@ -32,6 +32,8 @@ nothing to validate and the gain is whole.
 `rollbacks`, `deferred` (steps not taken until validation), `skipped` and `validations` count per rank;
 a traced engine records each validation (`ValidateStep`) and each rollback (`Rollback`) in `tracer.other`.
 """
+import time
+
 import torch
 from deepspeed import comm as dist
 
@@ -39,37 +41,104 @@ from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zer
 
 
 class StepBackup:
-    """Parameters and optimizer state before a step, restored exactly on rollback. The parameter copies are
-    kept between steps (one allocation); the optimizer state (created lazily by torch's optimizers) is cloned."""
+    """Parameters and optimizer state before a step, restored exactly on rollback. The copies are allocated
+    once and kept between steps (one fused copy per save, no allocation); a restore copies back into the live
+    tensors, so a fused optimizer keeps its buffers. State a step created (torch's optimizers create theirs
+    lazily, at the first step) is dropped on restore."""
 
     def __init__(self):
-        self._copies, self._state, self._params = None, None, None
+        self._params, self._copies, self._saved = None, None, None
+        self._state_copies = {}  # (param, key) -> tensor kept for the state value of that key
 
     def save(self, params, optimizer):
-        self._params = params
         if self._copies is None or len(self._copies) != len(params):
             self._copies = [torch.empty_like(p) for p in params]
+        live, copies = [p.detach() for p in params], list(self._copies)
+        saved = {}  # param -> {key: value}: the state's keys at save, a non-tensor value kept as it is
+        for p in params:
+            if p not in optimizer.state:
+                continue
+            saved[p] = {}
+            for key, value in optimizer.state[p].items():
+                if torch.is_tensor(value):
+                    copy = self._state_copies.get((p, key))
+                    if copy is None or copy.shape != value.shape or copy.dtype != value.dtype:
+                        copy = self._state_copies[(p, key)] = torch.empty_like(value)
+                    live.append(value)
+                    copies.append(copy)
+                saved[p][key] = value
         with torch.no_grad():
-            torch._foreach_copy_(self._copies, [p.detach() for p in params])
-        self._state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in optimizer.state[p].items()}
-                       for p in params if p in optimizer.state}
+            torch._foreach_copy_(copies, live)
+        self._params, self._saved = params, saved
 
     def restore(self, optimizer):
-        with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in self._params], self._copies)
+        live, copies = [p.detach() for p in self._params], list(self._copies)
         for p in self._params:
-            if p in self._state:
-                optimizer.state[p] = self._state[p]
-            else:
+            before = self._saved.get(p)
+            if before is None:  # the step created this parameter's state
                 optimizer.state.pop(p, None)
-        self._state = None
+                continue
+            state = optimizer.state[p]
+            for key in [k for k in state if k not in before]:
+                del state[key]
+            for key, value in before.items():
+                if torch.is_tensor(value):
+                    if state.get(key) is not value:  # the step replaced the tensor: put the old one back
+                        state[key] = value
+                    live.append(value)
+                    copies.append(self._state_copies[(p, key)])
+                else:
+                    state[key] = value
+        with torch.no_grad():
+            torch._foreach_copy_(live, copies)
+        self._saved = None
 
 
 class _Pending:
-    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs')
+    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs', 'started', 'waits')
 
-    def __init__(self, work, squares, stepped, lr_kwargs):
+    def __init__(self, work, squares, stepped, lr_kwargs, started, waits):
         self.work, self.squares, self.stepped, self.lr_kwargs = work, squares, stepped, lr_kwargs
+        self.started = started  # perf_counter() when the norm's all-reduce was started
+        self.waits = waits      # could have stepped ahead, but the policy waits for the norm
+
+
+POLICIES = ("auto", "ahead", "wait")
+
+
+class AheadPolicy:
+    """Whether a rank whose own norm does not clip steps before the model's norm arrives (`ahead`: backup, step,
+    roll back if the model's norm clips) or waits for it (`wait`: no backup, never a rollback). Both train the
+    same; only time differs. Stepping ahead saves the rank the wait for the norm (T, from the norm's all-reduce
+    being started to its result) and costs a backup (B): it pays when T > B. `auto` decides per rank from what
+    the last step showed:
+    - stepped ahead: was the norm already there when the backup was done? Then T <= B: wait next time;
+    - waited: T > B? (T is exact when the validation had to wait for the result; when the result was already
+      there, T is at most the time elapsed, and that bound decides only if no step ahead has said otherwise).
+    The first step goes ahead, which measures B."""
+
+    def __init__(self, policy="auto"):
+        if policy not in POLICIES:
+            raise ValueError(f"post-validation policy '{policy}': choose from {', '.join(POLICIES)}")
+        self.policy, self.backup_s, self.ahead, self._ahead_paid = policy, None, True, None
+
+    def steps_ahead(self):
+        return self.ahead if self.policy == "auto" else self.policy == "ahead"
+
+    def backed_up(self, seconds, norm_arrived):
+        """A step ahead: its backup took `seconds`, and by then the norm had (not) arrived."""
+        self.backup_s, self._ahead_paid = seconds, not norm_arrived
+        self.ahead = self._ahead_paid
+
+    def waited_for_norm(self, elapsed, waited):
+        """A step that waited: the norm was in hand `elapsed` seconds after its all-reduce began; `waited`:
+        whether the validation had to wait for it (else it had arrived earlier, at an unknown time)."""
+        if self.backup_s is None:
+            self.ahead = True
+        elif waited:
+            self.ahead = elapsed > self.backup_s
+        else:
+            self.ahead = elapsed > self.backup_s and self._ahead_paid is not False
 
 
 class Interlock:
@@ -78,7 +147,8 @@ class Interlock:
 
     _interlocking = False
     _pending = None
-    rollbacks = deferred = skipped = validations = 0
+    rollbacks = deferred = waited = skipped = validations = 0
+    post_validation = "auto"  # AheadPolicy: "auto", "ahead" or "wait"
 
     def post_validates(self):
         """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
@@ -115,21 +185,31 @@ class Interlock:
         local_ok = bool(torch.isfinite(squares)) and self._coefficient(squares) >= 1.0
         group = self.grid.get_pipe_parallel_group()
         work = dist.all_reduce(squares, group=group, async_op=True) if dist.get_world_size(group=group) > 1 else None
-        stepped = False
-        if self._interlocking and local_ok:  # optimistic: the global norm is checked later
+        started, stepped = time.perf_counter(), False
+        if self._interlocking and local_ok and self._ahead_policy().steps_ahead():  # the global norm checked later
             if not hasattr(self, '_step_backup'):
                 self._step_backup = StepBackup()
+            t0 = time.perf_counter()
             self._step_backup.save(params, self.optimizer)
+            self._norm_policy.backed_up(time.perf_counter() - t0, work is None or work.is_completed())
             self.optimizer.step()
             stepped = True
+        elif self._interlocking and local_ok:
+            self.waited += 1
         elif self._interlocking:
             self.deferred += 1
-        self._pending = _Pending(work, squares, stepped, lr_kwargs)
+        self._pending = _Pending(work, squares, stepped, lr_kwargs, started,
+                                 waits=self._interlocking and local_ok and not stepped)
         if not self._interlocking:
             self._validate_step()  # synchronised: wait for the norm now, then step
         self.losses = None
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+
+    def _ahead_policy(self):
+        if getattr(self, '_norm_policy', None) is None or self._norm_policy.policy != self.post_validation:
+            self._norm_policy = AheadPolicy(self.post_validation)
+        return self._norm_policy
 
     def _coefficient(self, squares):
         return clip_coefficient(self.gradient_clipping(), squares.sqrt())
@@ -143,7 +223,10 @@ class Interlock:
         traced = tracer is not None and tracer.active
         t0 = tracer.now() if traced else None
         if pending.work is not None:
+            waited = not pending.work.is_completed()
             pending.work.wait()
+            if pending.waits:
+                self._ahead_policy().waited_for_norm(time.perf_counter() - pending.started, waited)
         squares = pending.squares
         self._global_grad_norm = squares.sqrt()
         finite = bool(torch.isfinite(squares))
