@@ -13,8 +13,11 @@ it off the critical path:
 
 - At its OptimizerStep a rank computes its gradients' squared norm and starts the all-reduce over
   the pipeline asynchronously. If its own norm is finite and does not clip on its own (the usual
-  case), it steps at once, after a backup of its parameters and optimizer state; otherwise the
-  global norm will certainly scale its gradients (or skip the step), so it does not step yet.
+  case), its policy (`engine.post_validation`: AheadPolicy) decides: "ahead" steps at once, after
+  a backup of its parameters and optimizer state; "wait" steps once the norm is in (`waited`);
+  "auto" steps ahead while its last measured wait for the norm exceeds its last backup's time.
+  Otherwise the global norm will certainly scale its gradients (or skip the step), so it does not
+  step yet (`deferred`).
 - The step is validated when the reduction's result is needed: before this rank's parameters
   are used again, at the start of its next instruction stream (the next step, an `eval_batch`),
   and when `train_batches` returns. If the global norm clips, the step is rolled back from the
@@ -29,7 +32,7 @@ stage on ZB-H2, ZB-V) therefore waits for the last stage to finish step i. With 
 wait is the interlocking's gain (docs/interlock.md has the figures); with clipping off there is
 nothing to validate and the gain is whole.
 
-`rollbacks`, `deferred` (steps not taken until validation), `skipped` and `validations` count per rank;
+`rollbacks`, `deferred` (steps not taken until validation), `waited`, `skipped` and `validations` count per rank;
 a traced engine records each validation (`ValidateStep`) and each rollback (`Rollback`) in `tracer.other`.
 """
 import time
