@@ -99,8 +99,10 @@ def _validate_config(cfg, pp, on_cpu, need):
 
 
 def _validate_interlock(args, cfg, need):
-    """--interlock K: steps back to back on a pipeline; with clipping, only where the step is post-validated
-    (schedules/runtime/interlock.py): our engines, ZeRO 0, fp32."""
+    """--interlock K: steps back to back on a pipeline of our engines. With clipping, the step is post-validated
+    at ZeRO 0 in fp32 (schedules/runtime/interlock.py); at ZeRO 1 or in bf16 DeepSpeed's own optimizer step
+    all-reduces the norm before it updates (each stage waits there for the model's norm, nothing to roll back).
+    DeepSpeed's own engines synchronise every step where they clip: refused, not silently synchronised."""
     k, pp = args.interlock, args.pipeline_parallel_size
     need(k >= 1, f"--interlock {k} is below 1: pass --interlock K with K >= 1 (1: one step per call)")
     if k == 1:
@@ -112,13 +114,9 @@ def _validate_interlock(args, cfg, need):
         return
     from schedules.registry import schedule_spec
     ours = args.pipeline_schedule == "auto" or schedule_spec(args.pipeline_schedule, args.virtual_stages).engine
-    zero = cfg.get("zero_optimization", {}).get("stage", 0)
-    bf16 = cfg.get("bf16", {}).get("enabled", False)
-    why = (f"--pipeline-schedule {args.pipeline_schedule} runs on DeepSpeed's own engine" if not ours else
-           f"zero_optimization.stage is {zero}" if zero else "bf16 is on" if bf16 else None)
-    need(why is None, f"--interlock {k} with gradient_clipping {clip}: the step is post-validated only on our "
-         f"engines with ZeRO stage 0 and fp32, and {why}; set gradient_clipping 0 in "
-         "--deepspeed_config, or pass --interlock 1")
+    need(ours, f"--interlock {k} with gradient_clipping {clip}: --pipeline-schedule {args.pipeline_schedule} runs "
+         "on DeepSpeed's own engine, whose step synchronises every stage; pick one of ours (e.g. zb-h1, 1f1b-lean), "
+         "set gradient_clipping 0 in --deepspeed_config, or pass --interlock 1")
 
 
 def layer_types(args):

@@ -156,7 +156,9 @@ class Interlock:
     def post_validates(self):
         """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
         there is nothing to validate). With several data-parallel replicas every replica's stages hold the
-        reduced gradients, so each replica's pipeline finds the same norm and takes the same decision."""
+        reduced gradients, so each replica's pipeline finds the same norm and takes the same decision. Otherwise
+        (ZeRO 1, bf16) DeepSpeed's own step runs, interlocked or not: its optimizer all-reduces the model's norm
+        before it updates, so an interlocked stage waits there for it and has nothing to roll back."""
         return (self.gradient_clipping() > 0 and zero0_fp32(self) and not self.has_moe_layers
                 and not self.torch_autocast_z0_gradscaler)
 
