@@ -786,8 +786,9 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
         Clipping on: 1.0 by the global norm over every stage on both sides (PyTorch: fused per-tensor norms, the
         sum of squares all-reduced over the ranks, one fused scale; ours: the same, in the engine). Outside the
         schedule: PyTorch's clipping, `optimizer.step()` and `zero_grad()` after `schedule.step()`; ours: what
-        `train_batch` does before its first instruction and after its last pass or transfer (ReduceGrads,
-        OptimizerStep, the loss handed to every stage).{load_note(doc)}
+        `train_batch` does before its first instruction or receive posting (the receives it posts when the step
+        starts count in the span, as PyTorch's `schedule.step()` posts its own inside its span) and after its
+        last pass or transfer (ReduceGrads, OptimizerStep, the loss handed to every stage).{load_note(doc)}
         Raw numbers: [`bench/{file}`](bench/{file})."""),
                    table(["m", "clipping", "schedule", "PyTorch step ms", "ours step ms", "ours / PyTorch",
                           "PyTorch outside ms", "ours outside ms"], rows),

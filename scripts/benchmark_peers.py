@@ -17,12 +17,21 @@ Per step and rank:
   global norm over every stage's parameters, each rank's sum of squares all-reduced over the
   pipeline group, as DeepSpeed computes it, then one fused scale), `optimizer.step()` and
   `optimizer.zero_grad()` are the time outside.
-- Ours: `engine.train_batch(...)`; the span runs from its first instruction to the end of its last
-  pass or point-to-point instruction; outside is the rest: before the first instruction, the
+- Ours: `engine.train_batch(...)`; the span runs from its first point-to-point work (the receives
+  posted when the step starts, PostReceives, as PyTorch's `schedule.step` posts its own inside its
+  span) or instruction to the end of its last pass or point-to-point instruction; outside is the
+  rest: before that (`train_batch`'s prologue: module.train(), timers, the schedule looked up), the
   step's ReduceTiedGrads / ReduceGrads / OptimizerStep instructions, and after the last one (the
   loss shared with every stage).
 The first step's loss of both sides is printed too: the same weights and data must give the same
 loss (a check that the two sides train the same thing).
+
+`--device cuda`: one GPU per rank over NCCL (NCCL refuses two ranks on one device), the micro-batches
+on the device for both sides. A step is timed from a device synchronize after the barrier to one
+after the step, on both sides alike; inside the step nothing is synchronized (a synchronize per
+instruction would stop our engine's host from running ahead of its kernels, and PyTorch's side has
+no such points), so there span and outside are the host's dispatch times, the step time the
+device's.
 Writes JSON and text under --out; `--docs` publishes docs/bench/peers.json (and peers-gptlite.json)
 and re-renders docs/benchmarks.md.
 """
@@ -77,7 +86,8 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------
 class StepClock:
     """Stands in for a Tracer on our engine (the traced engine calls it around every instruction): when
-    the schedule's instructions started and ended, and the time of the step's other instructions."""
+    the schedule's instructions started and ended, and the time of the step's other instructions. Its
+    clock never synchronizes a device (see the module's docstring)."""
     sync = memory = None
     active = True
 
@@ -223,16 +233,27 @@ class TorchPipeline:
         return {"span": t1 - t0, "clip": t2 - t1, "optimizer": t3 - t2, "zero_grad": t4 - t3}, loss
 
 
-def data(args, m):
+def data(args, m, device):
     import torch
     if args.model == "gptlite":  # random tokens: the schedules, not the data, are measured
         from gptlite import MODEL_SIZES
         g = torch.Generator().manual_seed(0)
         shape = (args.micro_batch_size, MODEL_SIZES[args.model_size].block_size)
-        return [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
-                for _ in range(m)]
-    from deep_model import synthetic_micro_batch
-    return [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+        batches = [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
+                   for _ in range(m)]
+    else:
+        from deep_model import synthetic_micro_batch
+        batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def rank_device(kind):
+    """(torch.device, synchronize) of this rank: the CPU, or the GPU of its local rank (one GPU per rank)."""
+    import torch
+    if kind != "cuda":
+        return torch.device("cpu"), lambda: None
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
 
 
 def worker(args):
@@ -244,10 +265,11 @@ def worker(args):
 
     m, clip = args.micro_batches[0], args.clip == "on"
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
-    device = torch.device("cpu")
+    device, sync = rank_device(args.device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=timedelta(seconds=300))
     rank = dist.get_rank()
-    batches = data(args, m)
+    batches = data(args, m, device)
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     ours_names = [n for n in args.schedules if n in PAIRS or n in OURS_ONLY]
     theirs_names = [n for n in args.schedules if n in PAIRS or n in TORCH_ONLY]
@@ -277,11 +299,13 @@ def worker(args):
             for side, n in order:
                 key = f"{side}:{n}"
                 dist.barrier()
+                sync()
                 t0 = time.perf_counter()
                 if side == "ours":
                     engine = ours[n]
                     engine.tracer.reset()
                     loss = float(engine.train_batch(iter(batches)))
+                    sync()
                     dt = time.perf_counter() - t0
                     clock = engine.tracer
                     row = {"step": dt, "span": clock.last - clock.first, "before": clock.first - t0,
@@ -290,6 +314,7 @@ def worker(args):
                     loss = loss if engine.is_last_stage() else None
                 else:
                     parts_s, loss = theirs[n].step(x, y)
+                    sync()
                     dt = time.perf_counter() - t0
                     row = {"step": dt, **parts_s}
                 first_loss.setdefault(key, loss)
@@ -313,7 +338,9 @@ def launch_worker(args, m, clip):
              args.steps_per_round, "--model", args.model, "--model-size", args.model_size, "--device", args.device]
     if args.partition_weights:
         flags += ["--partition-weights", *args.partition_weights]
-    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_peers.py")
+    # DeepSpeed picks CUDA wherever it is installed: name the accelerator (--device cpu means it on a GPU machine)
+    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_peers.py",
+                 env={"DS_ACCELERATOR": args.device})
     if not run.ok:
         raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
@@ -379,12 +406,18 @@ def main(argv=None):
     args.schedules = args.schedules or [*PAIRS, *TORCH_ONLY, *OURS_ONLY]
     if args.worker_out:
         return worker(args)
-    if args.device != "cpu":
-        raise SystemExit("benchmark_peers: only --device cpu is implemented so far")
     import benchmark_schedules  # beside this script: the measured per-layer costs that balance GPTlite
 
     from schedules.observe.memory import machine_line
     machine = machine_line()
+    if args.device == "cuda":
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < args.stages:
+            raise SystemExit(f"benchmark_peers: --device cuda needs one GPU per rank (--stages {args.stages}); "
+                             f"this machine has {gpus}: run it on a machine with {args.stages} GPUs or pass "
+                             "--device cpu")
+        machine += f", {gpus} x {torch.cuda.get_device_name(0)}, nccl"
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     # other work on the machine slows both sides alike, but widens the spread: say how busy it was

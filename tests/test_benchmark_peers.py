@@ -30,3 +30,15 @@ def test_tiny_peer_benchmark_reports_both_sides(tmp_path):
     for name in ("1f1b", "zb-v"):  # the same seeded weights, micro-batches and loss on both sides
         assert run["compare"][name]["loss_diff"] < 1e-6, name
     assert run["compare"]["best"]["ours"] in ("1f1b", "zb-v", "1f1b-lean")
+
+
+def test_cuda_without_a_gpu_per_rank_is_refused_in_one_line(tmp_path):
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark_peers.py"), "--device", "cuda",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("benchmark_peers: --device cuda needs one GPU per rank (--stages 2)"), out.stderr
+    assert "Traceback" not in out.stderr

@@ -81,8 +81,13 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule):
         self._validate_step()  # a post-validated step settles before the parameters are used again
+        tracer = getattr(self, 'tracer', None)
+        traced = tracer is not None and tracer.active
+        start = tracer.now() if traced else None
         self._loss_step_start()
         self._ahead.start(self._receives(pipe_schedule) if self._ahead.enabled else ())  # posted ahead: gloo only
+        if traced:  # point-to-point work of the step, as a schedule's own receive postings are (e.g. PyTorch's)
+            tracer.record_p2p('PostReceives', start, tracer.now())
         try:
             super()._exec_schedule(pipe_schedule)
         finally:
