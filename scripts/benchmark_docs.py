@@ -867,7 +867,7 @@ def interlock_section(doc):
         "costs too, what the order alone gains; ratio: measured gain over predicted gain. Bubble: per rank, "
         "measured / predicted.")]
     for m, res in sorted(doc["interlock"].items(), key=lambda kv: int(kv[0])):
-        rows, clipped = [], []
+        rows, clipped, replayed = [], [], []
         for name in ordered(res["schedules"]):
             r = res["schedules"][name]
             gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
@@ -881,6 +881,12 @@ def interlock_section(doc):
                          " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
                                                                          r["pred_bubble_interlocked"])),
                          f"{within:.1f}"])
+            if "replay_period_s" in r:
+                off = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["replay_bubble_interlocked"])) * 100
+                replayed.append([NAMES.get(name, name), f"{ms(r['period_s'])} / {ms(r['replay_period_s'])}",
+                                 " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
+                                                                                 r["replay_bubble_interlocked"])),
+                                 f"{off:.1f}"])
             policies = r.get("clipped", {})
             if "threshold" in policies:  # measured before the policies: every step ahead
                 policies = {"ahead": policies}
@@ -896,6 +902,12 @@ def interlock_section(doc):
         out.append(table(["schedule", "sync ms meas / pred", "interlocked ms meas / pred",
                           "speed-up meas / pred (order)",
                           "ratio", "bubble sync", "bubble interlocked", "worst pts off"], rows))
+        if replayed:
+            out.append(para("The interlocked run predicted again from each traced pass's own duration, in order, "
+                            "instead of the mean of its kind (`trace.replayed_costs`), over the measured window: "
+                            "what remains between measurement and prediction once pass-to-pass jitter is in."))
+            out.append(table(["schedule", "interlocked ms meas / replayed", "bubble interlocked meas / replayed",
+                              "worst pts off"], replayed))
         if clipped:
             out.append(para(f"Post-validated clipping (the same call, clipping on at the median norm of "
                             f"{args['iterations']} synchronised steps measured each round, so that about half the "

@@ -21,7 +21,8 @@ its own traced costs (pass times, p2p latency by ping-pong, the send / receive t
 time between instructions, and each rank's optimizer step as traced): the synchronised makespan from the
 synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the interlocked run's,
 and the speed-up makespan / period; beside it ("order") the period predicted from the synchronised run's costs
-too, the gain of the interlocked order alone.
+too, the gain of the interlocked order alone. Replayed: the interlocked run predicted from each traced pass's
+own duration instead of the mean of its kind (trace.replayed_costs), over the measured window.
 """
 import argparse
 import json
@@ -190,11 +191,12 @@ def _busy_per_step(timeline, rank, steps):
     return sum(p.duration for p in timeline.ranks[rank] if p.iteration in steps) / len(steps)
 
 
-def _predict(spec, ranks, name, mode, i, timeline, latency, args):
+def _predict(spec, ranks, name, mode, i, timeline, latency, args, replay=False):
     """The simulator's prediction of run `mode` of round i from that run's own traced costs: pass times (means),
     the send / receive time on their rank, the engine's time between instructions, and each rank's optimizer step
-    (ReduceGrads and OptimizerStep, per step) as traced."""
-    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu
+    (ReduceGrads and OptimizerStep, per step) as traced. `replay`: each pass's own traced duration instead of
+    the mean of its kind (trace.replayed_costs)."""
+    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, replayed_costs
     from schedules.simulator.simulate import simulate
     k = args.iterations
     p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
@@ -203,7 +205,7 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args):
                  for rank, r in enumerate(ranks)}
     cpu = measured_p2p_cpu(p2p) if spec.placement.async_sends else (0.0, 0.0)
     return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
-                    costs=measured_costs(timeline), latency=latency, p2p_cpu=cpu,
+                    costs=(replayed_costs if replay else measured_costs)(timeline), latency=latency, p2p_cpu=cpu,
                     dispatch=measured_dispatch(timeline, p2p), iterations=k, step_cost=step_cost)
 
 
@@ -218,7 +220,7 @@ def analyse(ranks, args, m):
                "pred_period_sync_costs_s": [],
                "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
                "pred_bubble_sync": [[] for _ in range(p)], "pred_bubble_interlocked": [[] for _ in range(p)],
-               "call_s": []}
+               "replay_period_s": [], "replay_bubble_interlocked": [[] for _ in range(p)], "call_s": []}
         for i in range(args.rounds):
             sync = _timeline(ranks, name, "sync", i, m, args)
             inter = _timeline(ranks, name, "interlocked", i, m, args)
@@ -226,6 +228,11 @@ def analyse(ranks, args, m):
             # interlocked period also from the synchronised run's costs: what the order alone changes
             pred = _predict(spec, ranks, name, "sync", i, sync, latency, args)
             own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args)
+            # the same from each traced pass's own duration: what the means leave out (jitter on the critical path);
+            # over the measured window (steps 1 to K-1), as the measured period
+            replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, replay=True).chained
+            replay_period = _period(replay, k)
+            row["replay_period_s"].append(replay_period)
             # a synchronised step: the slowest rank's train_batch after the barrier, its ReduceGrads and optimizer
             # step included, as the simulator's makespan includes them (step_cost)
             times = [r["runs"][name]["sync"][i]["times"] for r in ranks]
@@ -245,6 +252,7 @@ def analyse(ranks, args, m):
                 row["bubble_interlocked"][r].append(1 - _busy_per_step(inter, r, middle) / period)
                 row["pred_bubble_sync"][r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
                 row["pred_bubble_interlocked"][r].append(own.per_rank[r]["idle_interlocked"] / own.period)
+                row["replay_bubble_interlocked"][r].append(1 - _busy_per_step(replay, r, middle) / replay_period)
         out = {key: (statistics.median(v) if v and not isinstance(v[0], list) else [statistics.median(x) for x in v])
                for key, v in row.items()}
         # the speed-ups: measured, synchronised step time over interlocked period; predicted, makespan / period,
@@ -289,6 +297,8 @@ def table(res, m):
                      f"{r['pred_speedup']:6.3f} {r['pred_speedup_order']:6.3f} {ratio}  "
                      f"{bub('bubble_sync', 'pred_bubble_sync')} | "
                      f"{bub('bubble_interlocked', 'pred_bubble_interlocked')}")
+        lines.append(f"{'':10} each pass's traced duration replayed: {r['replay_period_s'] * 1e3:.1f} ms, "
+                     f"bubble {bub('bubble_interlocked', 'replay_bubble_interlocked')}")
         for policy, c in r.get("clipped", {}).items():
             cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
             lines.append(f"{'':10} clipping at {c['threshold']:.3g}, {policy:5}: rollbacks {c['rollbacks_per_rank']}, "

@@ -380,3 +380,19 @@ def test_schedule_table_json():
     assert rows['1f1b']['idle_time_synced'] == 9 and rows['1f1b']['error'] is None
     assert rows['dualpipev-deepspeed']['error'].startswith('DualPipeV needs at least')
     assert rows['dualpipev-deepspeed']['idle_time'] is None
+
+
+def test_replayed_costs_take_each_pass_its_own_duration():
+    """A cost table with lists (trace.replayed_costs): each pass its own duration, in the rank's order, every
+    simulated run from the first again; a traced run replayed through it gives back its passes' durations."""
+    from schedules.observe.trace import replayed_costs
+    means = simulate("zb-h1", 2, 4, costs={(r, 0): {"F": 1.0, "B": 1.0, "W": 1.0} for r in range(2)}, iterations=4)
+    slow = [1.0, 1.0, 5.0, 1.0]  # rank 0's third forward is slow
+    listed = {(0, 0): {"F": slow * 4, "B": [1.0], "W": [1.0]}, (1, 0): {"F": [1.0], "B": [1.0], "W": [1.0]}}
+    res = simulate("zb-h1", 2, 4, costs=listed, iterations=4)
+    assert [p.duration for p in res.timeline.ranks[0] if p.kind == "F"] == slow  # the one-iteration run
+    assert [p.duration for p in res.chained.ranks[0] if p.kind == "F"] == slow * 4  # started over, not continued
+    assert res.makespan > means.makespan and res.period > means.period  # the slow pass delays what follows it
+    again = simulate("zb-h1", 2, 4, costs=replayed_costs(res.chained), iterations=4)
+    assert [[p.duration for p in row] for row in again.chained.ranks] == \
+        [[p.duration for p in row] for row in res.chained.ranks]

@@ -262,6 +262,18 @@ def measured_costs(timeline):
     return _means(((rank, p.chunk), p.kind, p.duration) for rank, p in timeline.passes())
 
 
+def replayed_costs(timeline):
+    """Each traced pass's own duration, in each rank's order, per (rank, chunk) and kind: the simulator's cost
+    table with lists (its passes take them in turn; each simulated run starts from the first again). Replayed,
+    the prediction keeps what means average away: a slow pass on the critical path delays everything behind
+    it, while a fast one gains nothing when the next pass waits for a message anyway."""
+    table = {}
+    for rank, row in enumerate(timeline.ranks):
+        for p in sorted(row, key=lambda p: p.start):
+            table.setdefault((rank, p.chunk), {}).setdefault(p.kind, []).append(p.duration)
+    return table
+
+
 def measured_memory(deltas_by_rank):
     """Mean activation-memory change per (rank, chunk) and pass kind, from each rank's
     `Tracer.memory_deltas`: the simulator's `memory` table (means keep a micro-batch's F, B and

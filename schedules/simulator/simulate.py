@@ -512,15 +512,30 @@ class SimResult:
 
 
 def _cost_function(costs):
-    """None: unit costs (chunk size x F 1, B 1, W 1, BW 2). Else {(rank, chunk): {kind: s}} or f(rank, chunk, kind)."""
+    """None: unit costs (chunk size x F 1, B 1, W 1, BW 2). Else {(rank, chunk): {kind: s}} or f(rank, chunk, kind).
+    In the table a kind's value may be a list of seconds: its passes take them in turn, in the rank's order (a
+    traced run's own durations replayed, trace.replayed_costs); call once per simulated run, which starts them
+    from the first again. A list shorter than the run's passes starts over."""
     if costs is None:
         return lambda rank, chunk, kind, size: _unit_cost(kind, size), 'F'
     if callable(costs):
         return lambda rank, chunk, kind, size: costs(rank, chunk, kind), 's'
+    taken = {}  # (rank, chunk, kind) -> passes costed so far, for the listed kinds
+
+    def listed(rank, chunk, kind, durations):
+        n = taken.get((rank, chunk, kind), 0)
+        taken[(rank, chunk, kind)] = n + 1
+        return durations[n % len(durations)]
 
     def table(rank, chunk, kind, size):
         c = costs[(rank, chunk)]
-        return c[kind] if kind in c else c['B'] + c['W'] if kind == 'BW' else c['BW'] / 2
+        value = c[kind] if kind in c else None
+        if isinstance(value, list):
+            return listed(rank, chunk, kind, value)
+        if value is not None:
+            return value
+        return table(rank, chunk, 'B', size) + table(rank, chunk, 'W', size) if kind == 'BW' else \
+            table(rank, chunk, 'BW', size) / 2
     return table, 's'
 
 
@@ -547,7 +562,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
     placement: a Placement subclass (default: the registered one, else StockPlacement).
-    costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), see _cost_function.
+    costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), or per pass in turn
+    (a list per kind: durations replayed), see _cost_function.
     latency: cost of every p2p message, from its send (or its receive, if later) to its arrival.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
@@ -567,10 +583,11 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         spec = available_schedules()[schedule]
         schedule, placement = spec.factory, placement or spec.placement
     place = (placement or StockPlacement)(stages)
-    cost, units = _cost_function(costs)
+    units = _cost_function(costs)[1]
     meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
 
     def run(n):
+        cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
                           _memory_function(memory), p2p_cpu, dispatch, step_cost)
         sim.run()
