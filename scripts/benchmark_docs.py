@@ -80,6 +80,10 @@ def ms(seconds):
     return f"{seconds * 1e3:.1f}"
 
 
+def signed_ms(seconds):
+    return f"{seconds * 1e3:+.1f}".replace("-0.0", "+0.0")
+
+
 def mib(n, digits=1):
     return f"{n / MiB:.{digits}f}"
 
@@ -705,9 +709,10 @@ def load_note(doc):
     load = doc.get("load_average")
     if not load:
         return ""
-    return (f" Other work shared the machine's two cores (load average between {min(load):.1f} and {max(load):.1f} "
-            f"at the starts and ends of the launches): it slows both sides alike but widens the spread from run "
-            f"to run.")
+    return (f" The machine's load average was between {min(load):.1f} and {max(load):.1f} at the start and the end "
+            f"of the run (its own {doc['args'].get('stages', 2)} ranks count {doc['args'].get('stages', 2)} while "
+            f"they run; anything above that is other work, which slows both sides alike but widens the spread from "
+            f"run to run).")
 
 
 def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
@@ -721,15 +726,21 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
                 continue
             ratio = run["compare"][name]["ratio"]  # the median ratio of steps run back to back
             o_out, t_out = max(ours["outside_s"]), max(theirs["outside_s"])
+            # the critical path's time outside the schedule, ours over PyTorch's step by step (older JSON: none)
+            extra = run["compare"][name].get("critical_outside_diff_s")
             label = "1F1B (ours: DeepSpeed's stock engine)" if name == "1f1b" else NAMES.get(name, name)
             rows.append([run["m"], run["clip"], label, ms(theirs["step_s"]), ms(ours["step_s"]), f"{ratio:.3f}",
-                         ms(t_out), ms(o_out)])
+                         ms(t_out), ms(o_out)]
+                        + ([f"{ms(theirs['critical_outside_s'])} / {ms(ours['critical_outside_s'])}",
+                            signed_ms(extra)] if extra is not None else []))
             if name != "1f1b":
                 if ratio > 1:
                     misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} ({ratio:.3f})")
-                if o_out > t_out + OUTSIDE_MARGIN:
+                extra = extra if extra is not None else o_out - t_out
+                if extra > OUTSIDE_MARGIN:
                     outside_misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} "
-                                          f"({ms(o_out)} against {ms(t_out)} ms)")
+                                          f"({signed_ms(extra)} ms)")
+    critical = any("critical_outside_diff_s" in c for run in runs for c in run["compare"].values())
     best_rows = []
     for run in runs:
         best = run["compare"].get("best")
@@ -742,10 +753,12 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
               c.get("loss_diff") is not None]
     verdicts = [item("Every schedule both offer except 1F1B is at most PyTorch's step time in every configuration."
                      if not misses else "Slower than PyTorch's in " + listing(misses) + ".")]
+    how = ("on the step's critical path, the median difference of steps run back to back" if critical
+           else "the slower rank of each side")
     verdicts.append(item(f"Our time outside the schedule is at most PyTorch's plus {OUTSIDE_MARGIN * 1e3:.0f} ms "
-                         "in every configuration (the slower rank of each side)." if not outside_misses else
-                         f"Our time outside the schedule exceeds PyTorch's plus {OUTSIDE_MARGIN * 1e3:.0f} ms for "
-                         + listing(outside_misses) + "."))
+                         f"in every configuration ({how})." if not outside_misses else
+                         f"Our time outside the schedule exceeds PyTorch's plus {OUTSIDE_MARGIN * 1e3:.0f} ms "
+                         f"({how}) for " + listing(outside_misses) + "."))
     if losses:
         verdicts.append(item(f"The first step's loss of the two sides differs by at most {max(losses):.1e}: the same "
                              "weights, data and loss on both."))
@@ -769,6 +782,12 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
                 slow = max(range(len(r["outside_s"])), key=lambda i: r["outside_s"][i])
                 parts = "; ".join(f"{k} {ms(v)}" for k, v in r["outside_parts_s"][slow].items())
                 parts_rows.append([run["m"], run["clip"], key, ms(r["outside_s"][slow]), parts])
+    critical_note = (" On the critical path: a step's time less its schedule's extent over the ranks (from the "
+                     "first rank's first instruction or receive posting to the last rank's last pass or transfer), "
+                     "step by step: what the step adds to its schedule; a rank that ends its schedule early and "
+                     "waits there for the other's clipping norm counts that wait in its own outside time, not "
+                     "in this. Ours - PyTorch is the median of the differences of steps that ran back to back, "
+                     "and is what the 3 ms target is held to.")
     args = doc["args"]
     return blocks([title, code("python scripts/benchmark_peers.py --docs" +
                                (" --model gptlite --micro-batches 4 --clip on" if args["model"] != "deep" else "")),
@@ -788,10 +807,13 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
         schedule: PyTorch's clipping, `optimizer.step()` and `zero_grad()` after `schedule.step()`; ours: what
         `train_batch` does before its first instruction or receive posting (the receives it posts when the step
         starts count in the span, as PyTorch's `schedule.step()` posts its own inside its span) and after its
-        last pass or transfer (ReduceGrads, OptimizerStep, the loss handed to every stage).{load_note(doc)}
+        last pass or transfer (ReduceGrads, OptimizerStep, the loss handed to every stage) (per rank, median;
+        the table gives the slower rank's).{critical_note if critical else ""}{load_note(doc)}
         Raw numbers: [`bench/{file}`](bench/{file})."""),
                    table(["m", "clipping", "schedule", "PyTorch step ms", "ours step ms", "ours / PyTorch",
-                          "PyTorch outside ms", "ours outside ms"], rows),
+                          "PyTorch outside ms", "ours outside ms"]
+                         + (["critical path outside ms: PyTorch / ours", "ours - PyTorch, side by side ms"]
+                            if critical else []), rows),
                    "\n".join(verdicts),
                    para("Each side's best schedule (PyTorch's includes its ScheduleInterleavedZeroBubble; ours every "
                         "schedule we have):"),
