@@ -14,15 +14,16 @@ fp32, fused AdamW) and runs, in rounds with the order rotating:
   each post-validation policy (`engine.post_validation`): stepping ahead of the model's norm (so that some
   steps roll back), waiting for it, and choosing per rank by the measured costs.
 Every step is traced. Measured: the synchronised step (per step the slowest rank's time after the barrier, its
-ReduceGrads and optimizer step included as in the predicted makespan; median) and its bubble per rank
-(1 - busy / span); the interlocked period (per rank, the time between the ends of its passes of steps 1 and
-K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period). Predicted, each run from
-its own traced costs (pass times, p2p latency by ping-pong, the send / receive time on their rank, the engine's
-time between instructions, and each rank's optimizer step as traced): the synchronised makespan from the
-synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the interlocked run's,
-and the speed-up makespan / period; beside it ("order") the period predicted from the synchronised run's costs
-too, the gain of the interlocked order alone. Replayed: the interlocked run predicted from each traced pass's
-own duration instead of the mean of its kind (trace.replayed_costs), over the measured window.
+ReduceGrads and optimizer step included as in the predicted makespan; median) and its bubble per rank (1 - busy /
+that step's time, as the predicted makespan counts it); the interlocked period (per rank, the time between the ends
+of its passes of steps 1 and K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period).
+The overlap of the two ranks' compute (`contention`) tells whether sharing the machine's cores slows the interlocked
+passes. Predicted, each run from its own traced costs (pass times, p2p latency by ping-pong, the send / receive time
+on their rank, the engine's time between instructions, and each rank's optimizer step as traced): the synchronised
+makespan from the synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the
+interlocked run's, and the speed-up makespan / period; beside it ("order") the period predicted from the
+synchronised run's costs too, the gain of the interlocked order alone. Replayed: the interlocked run predicted from
+each traced pass's own duration instead of the mean of its kind (trace.replayed_costs), over the measured window.
 """
 import argparse
 import json
@@ -191,6 +192,45 @@ def _busy_per_step(timeline, rank, steps):
     return sum(p.duration for p in timeline.ranks[rank] if p.iteration in steps) / len(steps)
 
 
+COMPUTE = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")  # traced step work that computes besides the passes
+
+
+def _overlaps(ranks, name, mode, i, timeline):
+    """Each pass of run `mode` of round i as (rank, kind, chunk, seconds, the fraction of it during which the
+    other rank computed: a pass or its step's work)."""
+    busy = []
+    for r, row in enumerate(timeline.ranks):
+        spans = [(p.start, p.end) for p in row]
+        spans += [(s, e) for n, s, e, _ in ranks[r]["runs"][name][mode][i]["other"] if n in COMPUTE]
+        busy.append(sorted(spans))
+    out = []
+    for r, row in enumerate(timeline.ranks):
+        others = [span for q, spans in enumerate(busy) if q != r for span in spans]
+        for p in row:
+            shared = sum(max(0.0, min(p.end, e) - max(p.start, s)) for s, e in others if s < p.end and e > p.start)
+            out.append((r, p.kind, p.chunk, p.duration, min(1.0, shared / p.duration) if p.duration > 0 else 0.0))
+    return out
+
+
+def contention(passes_by_mode):
+    """Whether the two modes share the machine's cores differently: per mode, the time-weighted share of pass time
+    during which another rank computed; and `cost_ratio_measured`, the pass time interlocked over synchronised (the
+    mean times of each (rank, kind, chunk), summed). With equal shares, contention slows both modes alike, and a
+    pass-time ratio away from 1 is the passes' own drift between the runs."""
+    overlap = {mode: sum(d * x for *_, d, x in passes) / sum(d for *_, d, _x in passes)
+               for mode, passes in passes_by_mode.items()}
+    means = {}
+    for mode, passes in passes_by_mode.items():
+        durations = {}
+        for r, kind, chunk, d, _ in passes:
+            durations.setdefault((r, kind, chunk), []).append(d)
+        means[mode] = {key: statistics.fmean(v) for key, v in durations.items()}
+    sync, inter = means["sync"], means["interlocked"]
+    shared = set(sync) & set(inter)
+    measured = sum(inter[key] for key in shared) / sum(sync[key] for key in shared) if shared else None
+    return {"overlap": overlap, "cost_ratio_measured": measured}
+
+
 def _predict(spec, ranks, name, mode, i, timeline, latency, args, replay=False):
     """The simulator's prediction of run `mode` of round i from that run's own traced costs: pass times (means),
     the send / receive time on their rank, the engine's time between instructions, and each rank's optimizer step
@@ -221,9 +261,12 @@ def analyse(ranks, args, m):
                "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
                "pred_bubble_sync": [[] for _ in range(p)], "pred_bubble_interlocked": [[] for _ in range(p)],
                "replay_period_s": [], "replay_bubble_interlocked": [[] for _ in range(p)], "call_s": []}
+        overlaps = {"sync": [], "interlocked": []}
         for i in range(args.rounds):
             sync = _timeline(ranks, name, "sync", i, m, args)
             inter = _timeline(ranks, name, "interlocked", i, m, args)
+            overlaps["sync"] += _overlaps(ranks, name, "sync", i, sync)
+            overlaps["interlocked"] += _overlaps(ranks, name, "interlocked", i, inter)
             # each run predicted from its own costs (passes, p2p, dispatch, each rank's optimizer step); the
             # interlocked period also from the synchronised run's costs: what the order alone changes
             pred = _predict(spec, ranks, name, "sync", i, sync, latency, args)
@@ -246,9 +289,12 @@ def analyse(ranks, args, m):
             row["pred_period_s"].append(own.period)
             row["pred_period_sync_costs_s"].append(pred.period)
             middle = range(1, k - 1)
+            steps = [max(step) for step in zip(*times)]
             for r in range(p):
-                row["bubble_sync"][r].append(statistics.median(1 - sync.busy(r, s) / (t1 - t0)
-                                                               for s, (t0, t1) in zip(sync.iterations(), spans)))
+                # over the whole synchronised step (the slowest rank's, its optimizer step included), as the
+                # predicted makespan counts it: a rank's optimizer step and its wait for the other's are idle there
+                row["bubble_sync"][r].append(statistics.median(1 - sync.busy(r, s) / step
+                                                               for s, step in zip(sync.iterations(), steps)))
                 row["bubble_interlocked"][r].append(1 - _busy_per_step(inter, r, middle) / period)
                 row["pred_bubble_sync"][r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
                 row["pred_bubble_interlocked"][r].append(own.per_rank[r]["idle_interlocked"] / own.period)
@@ -261,6 +307,7 @@ def analyse(ranks, args, m):
         out["speedup_wall"] = out["sync_s"] / out["call_s"]
         out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
         out["pred_speedup_order"] = out["pred_makespan_s"] / out["pred_period_sync_costs_s"]
+        out["contention"] = contention(overlaps)
         for mode in CLIPPED:
             if mode not in ranks[0]["runs"][name]:
                 continue
@@ -299,6 +346,10 @@ def table(res, m):
                      f"{bub('bubble_interlocked', 'pred_bubble_interlocked')}")
         lines.append(f"{'':10} each pass's traced duration replayed: {r['replay_period_s'] * 1e3:.1f} ms, "
                      f"bubble {bub('bubble_interlocked', 'replay_bubble_interlocked')}")
+        c = r["contention"]
+        measured = f"{c['cost_ratio_measured']:.3f}" if c["cost_ratio_measured"] is not None else "-"
+        lines.append(f"{'':10} pass time overlapped by the other rank's compute: sync {c['overlap']['sync']:.1%}, "
+                     f"interlocked {c['overlap']['interlocked']:.1%}; pass time interlocked / sync {measured}")
         for policy, c in r.get("clipped", {}).items():
             cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
             lines.append(f"{'':10} clipping at {c['threshold']:.3g}, {policy:5}: rollbacks {c['rollbacks_per_rank']}, "

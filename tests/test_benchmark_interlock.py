@@ -1,0 +1,48 @@
+"""scripts/benchmark_interlock.py's contention measure: how much a pass slows down while the other rank computes.
+Fast: synthetic traces, no process started."""
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("benchmark_interlock",
+                                                  os.path.join(ROOT, "scripts", "benchmark_interlock.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def p(kind, start, end, chunk=0):
+    return SimpleNamespace(kind=kind, chunk=chunk, start=start, end=end, duration=end - start)
+
+
+def test_overlap_counts_the_other_ranks_passes_and_step_work():
+    bench = script()
+    timeline = SimpleNamespace(ranks=[[p("F", 0.0, 1.0), p("B", 2.0, 4.0)],
+                                      [p("F", 0.5, 1.5)]])
+    # rank 1's optimizer step (traced as 'other') computes during rank 0's B from 3.0 to 3.5; its wait does not
+    ranks = [{"runs": {"x": {"sync": [{"other": []}]}}},
+             {"runs": {"x": {"sync": [{"other": [["OptimizerStep", 3.0, 3.5, None],
+                                                 ["ValidateStep", 2.0, 3.0, None]]}]}}}]
+    got = bench._overlaps(ranks, "x", "sync", 0, timeline)
+    assert got == [(0, "F", 0, 1.0, 0.5), (0, "B", 0, 2.0, 0.25), (1, "F", 0, 1.0, 0.5)]
+
+
+def test_contention_compares_the_overlap_and_the_pass_time_of_the_two_runs():
+    bench = script()
+    # the interlocked run overlaps 3 passes in 4 with the other rank's compute, the synchronised one 1 in 4;
+    # its F passes took 1.2 where the synchronised run's took 1.0, its B passes the same
+    def passes(f, shared):  # 4 F passes taking f (rank 0), 4 B passes taking 2.0 (rank 1); `shared` of each overlapped
+        return [(0, "F", 0, f, 1.0 if i < shared else 0.0) for i in range(4)] + \
+            [(1, "B", 0, 2.0, 1.0 if i < shared else 0.0) for i in range(4)]
+
+    sync, inter = passes(1.0, 1), passes(1.2, 3)
+    c = bench.contention({"sync": sync, "interlocked": inter})
+    assert c["overlap"]["sync"] == pytest.approx(0.25)
+    assert c["overlap"]["interlocked"] == pytest.approx((3.6 + 6.0) / (4.8 + 8.0))
+    assert c["cost_ratio_measured"] == pytest.approx((1.2 + 2.0) / (1.0 + 2.0))
