@@ -715,6 +715,22 @@ def load_note(doc):
             f"run to run).")
 
 
+def peers_command(args):
+    """The command line that measures what `args` (the JSON's) record, its defaults left out."""
+    flags = []
+    if args["model"] != "deep":
+        flags += ["--model", args["model"]]
+    if args["micro_batches"] != [4, 8]:
+        flags += ["--micro-batches", *map(str, args["micro_batches"])]
+    if args["clip"] != "both":
+        flags += ["--clip", args["clip"]]
+    if args["micro_batch_size"] != (4 if args["model"] == "gptlite" else 32):
+        flags += ["--micro-batch-size", str(args["micro_batch_size"])]
+    if args["rounds"] != 6 or args["steps_per_round"] != 3:
+        flags += ["--rounds", str(args["rounds"]), "--steps-per-round", str(args["steps_per_round"])]
+    return " ".join(["python scripts/benchmark_peers.py --docs", *flags])
+
+
 def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
     runs = _peer_runs(doc)
     rows, misses, outside_misses = [], [], []
@@ -789,8 +805,7 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
                      "in this. Ours - PyTorch is the median of the differences of steps that ran back to back, "
                      "and is what the 3 ms target is held to.")
     args = doc["args"]
-    return blocks([title, code("python scripts/benchmark_peers.py --docs" +
-                               (" --model gptlite --micro-batches 4 --clip on" if args["model"] != "deep" else "")),
+    return blocks([title, code(peers_command(args)),
                    para(f"""
         On {machine_line(doc['machine'])}: {args['stages']} ranks over gloo, one thread each;
         {'the deep model (16 x Linear ' + str(args['deep_width']) + ' + ReLU)' if args['model'] == 'deep' else

@@ -68,7 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--model-size", default="small", help="GPTlite size")
     p.add_argument("--deep-width", type=int, default=1024)
     p.add_argument("--deep-depth", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="rows per micro-batch (default: 32 on the deep model, 4 on GPTlite, whose logits over the "
+                        "50257-token vocabulary take 51 MB per 4 x 64 tokens)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--out", default="runs/peers")
@@ -424,6 +426,7 @@ def table(rows, cmp, m, clip):
 def main(argv=None):
     args = parse_args(argv)
     args.schedules = args.schedules or [*PAIRS, *TORCH_ONLY, *OURS_ONLY]
+    args.micro_batch_size = args.micro_batch_size or (4 if args.model == "gptlite" else 32)
     if args.worker_out:
         return worker(args)
     import benchmark_schedules  # beside this script: the measured per-layer costs that balance GPTlite

@@ -117,6 +117,12 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
         with accumulate_in_place(self._in_place):
             super()._exec_backward_pass(buffer_id)
         self.grad_layer = None
+        if self.is_last_stage():
+            # DeepSpeed's backward returns early on the last stage and keeps its output (e.g. a language model's
+            # logits) until the buffer is reused: harmless with stock 1F1B's one buffer there, but our schedules
+            # give the last stage a buffer per micro-batch in flight, and each would hold its logits to the end
+            # of the step (and between steps)
+            self.pipe_buffers['outputs'][buffer_id] = None
 
     def _exec_backward_weight_pass(self, buffer_id):
         if not self._deferred[buffer_id]:
