@@ -202,7 +202,7 @@ def _overlaps(ranks, name, mode, i, timeline):
     for r, row in enumerate(timeline.ranks):
         spans = [(p.start, p.end) for p in row]
         spans += [(s, e) for n, s, e, _ in ranks[r]["runs"][name][mode][i]["other"] if n in COMPUTE]
-        busy.append(sorted(spans))
+        busy.append(spans)
     out = []
     for r, row in enumerate(timeline.ranks):
         others = [span for q, spans in enumerate(busy) if q != r for span in spans]

@@ -1,8 +1,8 @@
 """One rank of 2-stage GPTlite pipelines, one engine per schedule named in argv: after a train_batch, how many
 forward outputs (on the last stage, the logits) each engine's pipe buffers still hold.
 
-Run by tests/test_split_engine.py through local_launch. Prints one JSON line: {schedule: [stage ids whose
-buffers held outputs, count]} per engine, in the order given.
+Run by tests/test_split_engine.py through local_launch. Prints one JSON line: {schedule: {"last_stage": whether
+this rank runs the engine's last stage, "held": how many outputs its buffers still reference}}.
 """
 import json
 import sys

@@ -1,5 +1,5 @@
-"""scripts/benchmark_interlock.py's contention measure: how much a pass slows down while the other rank computes.
-Fast: synthetic traces, no process started."""
+"""scripts/benchmark_interlock.py's contention figures: the share of each pass during which the other rank computed,
+and the pass time of the interlocked run over the synchronised one's. Fast: synthetic traces, no process started."""
 import importlib.util
 import os
 from types import SimpleNamespace

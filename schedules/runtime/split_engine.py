@@ -119,7 +119,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
         self.grad_layer = None
         if self.is_last_stage():
             # DeepSpeed's backward returns early on the last stage and keeps its output (e.g. a language model's
-            # logits) until the buffer is reused: harmless with stock 1F1B's one buffer there, but our schedules
+            # logits) until the buffer is reused: stock 1F1B has two buffers there, but our schedules
             # give the last stage a buffer per micro-batch in flight, and each would hold its logits to the end
             # of the step (and between steps)
             self.pipe_buffers['outputs'][buffer_id] = None
