@@ -4,7 +4,12 @@ Every block costs the same, so any cut into stages is balanced: the workload for
 schedules, where GPTlite's 50257-token embedding and head would make one stage dominate.
 Same pipeline interface as gptlite.py: `to_layers()`, `DeepPipeSpec`, `get_model(...)`.
 Inputs and targets are synthetic: `synthetic_micro_batch` draws them from (seed, index).
+
+`pass_seconds=(forward, input gradient, weight gradient)` makes every block a `TimedBlock`, whose
+passes sleep those times: a pipeline whose pass costs are set, not measured, for runs with more
+stages than the machine has cores (the ranks sleep instead of contending for the cores).
 """
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +18,7 @@ import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
-from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
+from schedules.runtime.weight_grad import DeferredLinearGrad, Linear, defer_or_compute
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,7 @@ class DeepConfig:
     width: int = 256
     depth: int = 16
     seed: int = 0
+    pass_seconds: tuple = None  # (forward, input gradient, weight gradient) seconds per block: TimedBlock
 
 
 class DeepBlock(nn.Module):
@@ -33,7 +39,58 @@ class DeepBlock(nn.Module):
         return F.relu(self.fc(x))
 
 
+class _TimedWeightGrad(DeferredLinearGrad):
+    """A linear layer's weight-gradient work that takes `seconds` more (in W, or in B when not deferred)."""
+    __slots__ = ('seconds', )
+
+    def __init__(self, seconds, *args):
+        super().__init__(*args)
+        self.seconds = seconds
+
+    def _weight_grad(self):
+        time.sleep(self.seconds)
+        return super()._weight_grad()
+
+    def accumulate(self):
+        time.sleep(self.seconds)
+        super().accumulate()
+
+
+class _TimedLinearFunction(torch.autograd.Function):
+    """F.linear whose forward, input gradient and (deferrable) weight gradient each sleep their set time: a
+    layer made deferrable as weight_grad.py describes for any layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seconds):
+        time.sleep(seconds[0])
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.seconds = bias, seconds
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        time.sleep(ctx.seconds[1])
+        work = _TimedWeightGrad(ctx.seconds[2], weight, ctx.bias, x, grad_out)
+        grads = defer_or_compute(work, x, grad_out)
+        return grad_out @ weight, grads.get(id(weight)), grads.get(id(ctx.bias)), None
+
+
+class TimedBlock(DeepBlock):
+    """A DeepBlock whose passes take set times (`seconds`: forward, input gradient, weight gradient), mostly
+    asleep; its arithmetic is still real, so training is exact."""
+
+    def __init__(self, width: int, seconds: tuple):
+        super().__init__(width)
+        self.seconds = tuple(seconds)
+
+    def forward(self, x):
+        return F.relu(_TimedLinearFunction.apply(x, self.fc.weight, self.fc.bias, self.seconds))
+
+
 def layer_specs(config: DeepConfig):
+    if config.pass_seconds:
+        return [(TimedBlock, (config.width, config.pass_seconds))] * config.depth
     return [(DeepBlock, (config.width, ))] * config.depth
 
 
@@ -77,8 +134,8 @@ def synthetic_micro_batch(index: int, batch_size: int, width: int, seed: int):
 
 def get_model(criterion=mse_loss, pipeline_num_stages=0, pipeline_spec_layers=False,
               activation_checkpoint_interval=0, width=256, depth=16, seed=0, partition_method="uniform",
-              pipe_module=None, partition_weights=None):
-    config = DeepConfig(width=width, depth=depth, seed=seed)
+              pipe_module=None, partition_weights=None, pass_seconds=None):
+    config = DeepConfig(width=width, depth=depth, seed=seed, pass_seconds=pass_seconds)
     if not pipeline_num_stages:
         return DeepModel(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,

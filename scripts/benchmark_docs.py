@@ -18,6 +18,7 @@ a missing file leaves its section saying how to produce it):
     peers.json      scripts/benchmark_peers.py: ours against torch.distributed.pipelining, the whole step
     peers-gptlite.json  the same on GPTlite (--model gptlite)
     interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
+    interlock-timed-p4.json, interlock-timed-p8.json  the same at p = 4 and 8, passes of set times (--pass-ms)
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -60,6 +61,14 @@ def machine_line(machine):
         return machine
     return (f"{machine['cpu']}, {machine['cores']} cores, {machine['ram_bytes'] / (1 << 30):.0f} GiB RAM, "
             f"torch {machine['torch']}, deepspeed {machine['deepspeed']}")
+
+
+def machine_cores(machine):
+    """The core count a JSON file's machine record names ('?' where it names none)."""
+    if isinstance(machine, dict):
+        return machine["cores"]
+    found = re.search(r"(\d+) cores", machine)
+    return found.group(1) if found else "?"
 
 
 def ordered(names):
@@ -883,17 +892,28 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            created on the CPU).""")]
 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json", "interlock.json")
+          "peers.json", "peers-gptlite.json", "interlock.json", "interlock-timed-p4.json", "interlock-timed-p8.json")
 
 
-def interlock_section(doc):
+def interlock_model(args):
+    """The model a benchmark_interlock run trained, in words."""
+    model = f"the deep model (width {args['deep_width']}, depth {args['deep_depth']})"
+    if args.get("pass_ms"):
+        f, b, w = (f"{t:g}" for t in args["pass_ms"])
+        model += (f" of `TimedBlock`s, whose forward, input gradient and weight gradient sleep {f}, {b} and {w} ms "
+                  f"a block around their arithmetic (deep_model.py), so that {args['stages']} ranks on this "
+                  f"machine's cores run as on a device each, with pass costs that are set rather than drifting")
+    return model
+
+
+def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
     """scripts/benchmark_interlock.py: per m, each schedule's synchronised step and interlocked period, measured
     and predicted from the run's own costs, the bubbles, and what post-validated clipping cost."""
     args = doc["args"]
-    out = ["## Interlocked steps", para(
+    out = [title, para(
         f"`engine.train_batches(iterations={args['iterations']})` (`train.py --interlock K`) against the same "
-        f"schedule's steps with a barrier before each, {args['stages']} ranks, the deep model (width "
-        f"{args['deep_width']}, depth {args['deep_depth']}), micro-batches of {args['micro_batch_size']}, ZeRO 0, "
+        f"schedule's steps with a barrier before each, {args['stages']} ranks, {interlock_model(args)}, "
+        f"micro-batches of {args['micro_batch_size']}, ZeRO 0, "
         f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
         "rank (median), its ReduceGrads and optimizer step included, as in the predicted makespan; interlocked: the "
         "steady-state period (per rank, end of its step 1 to end of its step K-1, over K-2 steps; the largest). "
@@ -926,9 +946,11 @@ def interlock_section(doc):
                                  f"{off:.1f}"])
             if "contention" in r:
                 c = r["contention"]
+                cores = c.get("cores_in_use") or {}
                 contended.append([NAMES.get(name, name), f"{pct(c['overlap']['sync'])} / "
                                   f"{pct(c['overlap']['interlocked'])}",
-                                  f"{c['cost_ratio_measured']:.3f}" if c["cost_ratio_measured"] is not None else "-"])
+                                  f"{c['cost_ratio_measured']:.3f}" if c["cost_ratio_measured"] is not None else "-",
+                                  f"{cores['sync']:.2f} / {cores['interlocked']:.2f}" if cores.get("sync") else "-"])
             policies = r.get("clipped", {})
             if "threshold" in policies:  # measured before the policies: every step ahead
                 policies = {"ahead": policies}
@@ -950,25 +972,32 @@ def interlock_section(doc):
                             "what remains between measurement and prediction once pass-to-pass jitter is in."))
             out.append(table(["schedule", "interlocked ms meas / replayed", "bubble interlocked meas / replayed",
                               "worst pts off"], replayed))
+        cores_kept = any(row[-1] != "-" for row in contended)  # runs from before it was recorded have none
         if contended:
-            out.append(para("Two ranks share this machine's cores and memory: the share of pass time during which "
-                            "the other rank computed (a pass, or its step's ReduceGrads and optimizer step), "
-                            "synchronised / interlocked, and the mean pass time of the interlocked run over the "
-                            "synchronised run's. Equal shares mean that sharing the cores slows both runs alike: a "
-                            "pass time ratio away from 1 is then the passes' own drift between the two runs, which "
-                            "the predictions from each run's own costs take in."))
-            out.append(table(["schedule", "overlapped sync / interlocked", "pass time interlocked / sync"],
-                             contended))
+            out.append(para(f"The {args['stages']} ranks share this machine's cores and memory: the share of pass "
+                            "time during which another rank computed (a pass, or its step's ReduceGrads and "
+                            "optimizer step), synchronised / interlocked, and the mean pass time of the interlocked "
+                            "run over the synchronised run's. Equal shares mean that sharing the cores slows both "
+                            "runs alike: a pass time ratio away from 1 is then the passes' own drift between the "
+                            "two runs, which the predictions from each run's own costs take in."
+                            + (" Cores in use: every rank's CPU time over the run's time (of "
+                               f"{machine_cores(doc['machine'])}); near the machine's count, a rank that wakes "
+                               "waits for a core." if cores_kept else "")))
+            headers = ["schedule", "overlapped sync / interlocked", "pass time interlocked / sync",
+                       "cores in use sync / interlocked"]
+            out.append(table(headers if cores_kept else headers[:-1],
+                             contended if cores_kept else [row[:-1] for row in contended]))
         if clipped:
             out.append(para(f"Post-validated clipping (the same call, clipping on at the median norm of "
                             f"{args['iterations']} synchronised steps measured each round, so that about half the "
                             f"steps clip), per policy: steps ahead of the model's norm rolled "
-                            f"back, and steps that waited for it, over {steps} steps x 2 ranks; a rollback's time; "
+                            f"back, and steps that waited for it, over {steps} steps x {args['stages']} ranks; a "
+                            f"rollback's time; "
                             f"the validation per step per rank; the period and its speed-up over synchronised steps "
                             f"(clipping off there)."))
             out.append(table(["schedule", "policy", "clip at", "rollbacks", "waited", "a rollback ms",
                               "validation ms", "period ms", "speed-up"], clipped))
-    out.append(para("Raw numbers: [`bench/interlock.json`](bench/interlock.json); the design and what validation "
+    out.append(para(f"Raw numbers: [`bench/{file}`](bench/{file}); the design and what validation "
                     "costs: [interlock.md](interlock.md)."))
     return blocks(out)
 
@@ -1015,6 +1044,10 @@ def render(bench_dir=BENCH_DIR) -> str:
                  missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
     parts.append(interlock_section(docs["interlock.json"]) if "interlock.json" in docs else
                  missing("## Interlocked steps", "interlock.json", "python scripts/benchmark_interlock.py --docs"))
+    for p in (4, 8):
+        if f"interlock-timed-p{p}.json" in docs:
+            parts.append(interlock_section(docs[f"interlock-timed-p{p}.json"], f"## Interlocked steps at p = {p}, "
+                                           "passes of set times", f"interlock-timed-p{p}.json"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

@@ -3,23 +3,35 @@ simulator's interlocked prediction from the run's own costs; the rollback rate a
 
     python scripts/benchmark_interlock.py                      # 2 ranks, deep model, m = 4 and 8
     python scripts/benchmark_interlock.py --docs               # also docs/bench/interlock.json, docs/benchmarks.md
+    python scripts/benchmark_interlock.py --stages 4 --micro-batches 8 16 --deep-width 16 --pass-ms 2.5 2.5 2.5 \
+        --iterations 8 --docs                      # passes of set times (docs/bench/interlock-timed-p4.json)
 
-For each micro-batch count, ONE launch of 2 ranks (one thread each) builds an engine per schedule (ZeRO 0,
+`--pass-ms F B W` builds the deep model of `TimedBlock`s (deep_model.py): each block's forward, input gradient and
+weight gradient sleep F, B and W ms around their (small, real) arithmetic. The ranks then sleep rather than compute,
+so more stages than the machine has cores run as they would on a device each, with pass costs that are set rather
+than drifting: what the engine makes of the interlocked order, at p where the order's gain is large.
+
+For each micro-batch count, ONE launch of p ranks (one thread each) builds an engine per schedule (ZeRO 0,
 fp32, fused AdamW) and runs, in rounds with the order rotating:
 - `sync`: K steps, a barrier before each (what a synchronising step end does: every stage starts together);
 - `interlocked`: one `train_batches(iterations=K)` call, clipping off (nothing to validate);
-- `clipped-ahead`, `clipped-wait`, `clipped-auto` (schedules whose engine post-validates): the same call with
-  clipping at a threshold between the norms the steps have (the median of K synchronised steps' global
-  norms, measured again each round before the clipped calls), under
-  each post-validation policy (`engine.post_validation`): stepping ahead of the model's norm (so that some
-  steps roll back), waiting for it, and choosing per rank by the measured costs.
+- `clipped-ahead`, `clipped-wait`, `clipped-auto`, `clipped-speculate` (schedules whose engine post-validates):
+  the same call with clipping at a threshold between the norms the steps have (the median of K synchronised
+  steps' global norms, measured again each round before the clipped calls), under each post-validation policy
+  (`engine.post_validation`): stepping ahead of the model's norm (so that some steps roll back), waiting for it,
+  choosing per rank by the measured costs, and speculating past it (the next step's passes before the norm; a
+  step that clips is redone and the next replayed);
+- `never-wait`, `never-speculate`: clipping on far above every norm (nothing clips, every step is validated):
+  what waiting for the norm costs, and what speculating past it saves where clipping does not bite.
 Every step is traced. Measured: the synchronised step (per step the slowest rank's time after the barrier, its
 ReduceGrads and optimizer step included as in the predicted makespan; median) and its bubble per rank (1 - busy /
 that step's time, as the predicted makespan counts it); the interlocked period (per rank, the time between the ends
 of its passes of steps 1 and K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period).
-The overlap of the two ranks' compute (`contention`) tells whether sharing the machine's cores slows the interlocked
-passes. Predicted, each run from its own traced costs (pass times, p2p latency by ping-pong, the send / receive time
-on their rank, the engine's time between instructions, and each rank's optimizer step as traced): the synchronised
+The overlap of the ranks' compute (`contention`) tells whether sharing the machine's cores slows the interlocked
+passes, and the cores in use on average (every rank's CPU time over the run's time) how close the ranks come to
+waiting for a core. Predicted, each run from its own traced costs (pass times, a message's latency as traced, the
+send / receive time on their rank, each receive paired with its send by the schedule's own streams, the engine's
+time between instructions, and each rank's optimizer step as traced): the synchronised
 makespan from the synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the
 interlocked run's, and the speed-up makespan / period; beside it ("order") the period predicted from the
 synchronised run's costs too, the gain of the interlocked order alone. Replayed: the interlocked run predicted from
@@ -33,7 +45,15 @@ import tempfile
 import time
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
-CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto"]  # clipping on, per post-validation policy
+# clipping on, per post-validation policy: at the median norm ("clipped-", about half the steps clip), and far
+# above every norm ("never-": nothing clips, yet every step is validated)
+CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto", "clipped-speculate", "never-wait", "never-speculate"]
+NEVER = 1e30  # the clipping threshold of the never- runs
+
+
+def policy_key(mode):
+    """The key of a clipped run's figures: its policy, prefixed by `never-` where nothing clips."""
+    return mode[len("clipped-"):] if mode.startswith("clipped-") else mode
 
 
 def parse_args(argv=None):
@@ -44,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--deep-width", type=int, default=1024)
     p.add_argument("--deep-depth", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--pass-ms", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
+                   help="blocks whose forward, input gradient and weight gradient take these ms "
+                        "(deep_model.TimedBlock)")
     p.add_argument("--iterations", type=int, default=6, help="steps per interlocked call (K)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="runs/interlock")
@@ -59,8 +82,10 @@ def parse_args(argv=None):
 def build_engine(name, args, m):
     import deep_model
     import schedules
+    seconds = tuple(t / 1e3 for t in args.pass_ms) if args.pass_ms else None
     model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, pipeline_num_stages=args.stages,
-                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name, None))
+                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name, None),
+                                 pass_seconds=seconds)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
            "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
@@ -103,13 +128,15 @@ def worker(args):
             engine = engines[name]
             for mode in modes[name]:
                 clipped = mode in CLIPPED
-                engine._config.gradient_clipping = thresholds.get(name, 0.0) if clipped else 0.0
+                threshold = NEVER if mode.startswith("never-") else thresholds.get(name, 0.0)
+                engine._config.gradient_clipping = threshold if clipped else 0.0
                 if clipped:
                     engine.post_validation = mode.split("-")[1]
                 tracer = engine.tracer
                 tracer.start_iteration(0)
                 tracer.passes, tracer.p2p, tracer.other = [], [], []
                 dist.barrier()
+                cpu0, wall0 = time.process_time(), time.perf_counter()  # this process's CPU time, all its threads
                 if mode == "sync":
                     times = []
                     for s in range(k):
@@ -121,17 +148,20 @@ def worker(args):
                         times.append(time.perf_counter() - t0)
                 else:
                     rollbacks, waited = getattr(engine, "rollbacks", 0), getattr(engine, "waited", 0)
+                    replays = getattr(engine, "replays", 0)
                     t0 = time.perf_counter()
                     train_batches(engine, iter(batches), iterations=k)
                     times = [time.perf_counter() - t0]
                 tracer.stop()
                 record = {"times": times, "passes": [p.__dict__ for p in tracer.passes], "p2p": tracer.p2p,
-                          "other": tracer.other}
+                          "other": tracer.other, "cpu_s": time.process_time() - cpu0,
+                          "wall_s": time.perf_counter() - wall0}
                 if clipped:
                     record["rollbacks"] = engine.rollbacks - rollbacks
                     record["waited"] = engine.waited - waited
+                    record["replays"] = engine.replays - replays
                 if r > 0:
-                    record["threshold"] = thresholds.get(name)
+                    record["threshold"] = threshold if clipped else thresholds.get(name)
                     runs[name][mode].append(record)
                 if mode == "interlocked" and hasattr(engine, "post_validates"):
                     # every round: training moves the norms, and a threshold from the first round soon clips nothing
@@ -164,6 +194,8 @@ def launch_worker(args, m):
     flags = ["--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules", *args.schedules,
              "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
              args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds]
+    if args.pass_ms:
+        flags += ["--pass-ms", *args.pass_ms]
     run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_interlock.py")
     if not run.ok:
         raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
@@ -212,6 +244,18 @@ def _overlaps(ranks, name, mode, i, timeline):
     return out
 
 
+def cores_in_use(ranks, name, mode, rounds):
+    """The machine's cores the run kept busy on average: every rank's CPU time (all its threads) over the run's
+    wall time (the slowest rank's), median over rounds; None for runs recorded without it. Near the machine's
+    core count, a rank that wakes (a message in, a sleep over) waits for a core: delays no model of the
+    schedule has."""
+    runs = [[r["runs"][name][mode][i] for r in ranks] for i in range(rounds)]
+    if any("cpu_s" not in run for per_round in runs for run in per_round):
+        return None
+    return statistics.median(sum(run["cpu_s"] for run in per_round) / max(run["wall_s"] for run in per_round)
+                             for per_round in runs)
+
+
 def contention(passes_by_mode):
     """Whether the two modes share the machine's cores differently: per mode, the time-weighted share of pass time
     during which another rank computed; and `cost_ratio_measured`, the pass time interlocked over synchronised (the
@@ -231,11 +275,22 @@ def contention(passes_by_mode):
     return {"overlap": overlap, "cost_ratio_measured": measured}
 
 
-def _predict(spec, ranks, name, mode, i, timeline, latency, args, replay=False):
+def _latency(spec, ranks, name, mode, i, ping_pong, messages):
+    """A message's latency in run `mode` of round i as traced (trace.measured_latency: what ranks sharing the
+    machine's cores add to a ping-pong's); the ping-pong's for blocking sends, whose end is the receive's."""
+    from schedules.observe.trace import measured_latency, measured_p2p_cpu
+    if not spec.placement.async_sends:
+        return ping_pong
+    p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
+    traced = measured_latency(p2p, messages, measured_p2p_cpu(p2p, messages)[1])
+    return ping_pong if traced is None else traced
+
+
+def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, replay=False):
     """The simulator's prediction of run `mode` of round i from that run's own traced costs: pass times (means),
-    the send / receive time on their rank, the engine's time between instructions, and each rank's optimizer step
-    (ReduceGrads and OptimizerStep, per step) as traced. `replay`: each pass's own traced duration instead of
-    the mean of its kind (trace.replayed_costs)."""
+    message latency, the send / receive time on their rank, the engine's time between instructions, and each
+    rank's optimizer step (ReduceGrads and OptimizerStep, per step) as traced. `replay`: each pass's own traced
+    duration instead of the mean of its kind (trace.replayed_costs)."""
     from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, replayed_costs
     from schedules.simulator.simulate import simulate
     k = args.iterations
@@ -243,24 +298,29 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args, replay=False):
     step_cost = {rank: sum(e - s for n, s, e, _ in r["runs"][name][mode][i]["other"]
                            if n in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")) / k
                  for rank, r in enumerate(ranks)}
-    cpu = measured_p2p_cpu(p2p) if spec.placement.async_sends else (0.0, 0.0)
+    cpu = measured_p2p_cpu(p2p, messages) if spec.placement.async_sends else (0.0, 0.0)
     return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
-                    costs=(replayed_costs if replay else measured_costs)(timeline), latency=latency, p2p_cpu=cpu,
+                    costs=(replayed_costs if replay else measured_costs)(timeline),
+                    latency=_latency(spec, ranks, name, mode, i, latency, messages), p2p_cpu=cpu,
                     dispatch=measured_dispatch(timeline, p2p), iterations=k, step_cost=step_cost)
 
 
 def analyse(ranks, args, m):
     from schedules.registry import schedule_spec
+    from schedules.simulator.simulate import simulate
     k, p = args.iterations, args.stages
-    latency = statistics.median(r["latency_s"] for r in ranks)
+    latency = statistics.median(r["latency_s"] for r in ranks[:2])  # ranks 0 and 1 ping-pong, the others idle
     rows = {}
     for name in args.schedules:
         spec = schedule_spec(name)
+        # who sends each message to whom: pairs a traced receive with its send (the send / receive time on a rank)
+        messages = simulate(spec.factory, p, m, placement=spec.placement, iterations=1).messages
         row = {"sync_s": [], "span_s": [], "period_s": [], "pred_makespan_s": [], "pred_period_s": [],
                "pred_period_sync_costs_s": [],
                "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
                "pred_bubble_sync": [[] for _ in range(p)], "pred_bubble_interlocked": [[] for _ in range(p)],
-               "replay_period_s": [], "replay_bubble_interlocked": [[] for _ in range(p)], "call_s": []}
+               "replay_period_s": [], "replay_bubble_interlocked": [[] for _ in range(p)], "call_s": [],
+               "latency_traced_s": []}
         overlaps = {"sync": [], "interlocked": []}
         for i in range(args.rounds):
             sync = _timeline(ranks, name, "sync", i, m, args)
@@ -269,13 +329,14 @@ def analyse(ranks, args, m):
             overlaps["interlocked"] += _overlaps(ranks, name, "interlocked", i, inter)
             # each run predicted from its own costs (passes, p2p, dispatch, each rank's optimizer step); the
             # interlocked period also from the synchronised run's costs: what the order alone changes
-            pred = _predict(spec, ranks, name, "sync", i, sync, latency, args)
-            own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args)
+            pred = _predict(spec, ranks, name, "sync", i, sync, latency, args, messages)
+            own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages)
             # the same from each traced pass's own duration: what the means leave out (jitter on the critical path);
             # over the measured window (steps 1 to K-1), as the measured period
-            replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, replay=True).chained
+            replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages, replay=True).chained
             replay_period = _period(replay, k)
             row["replay_period_s"].append(replay_period)
+            row["latency_traced_s"].append(_latency(spec, ranks, name, "interlocked", i, latency, messages))
             # a synchronised step: the slowest rank's train_batch after the barrier, its ReduceGrads and optimizer
             # step included, as the simulator's makespan includes them (step_cost)
             times = [r["runs"][name]["sync"][i]["times"] for r in ranks]
@@ -308,6 +369,8 @@ def analyse(ranks, args, m):
         out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
         out["pred_speedup_order"] = out["pred_makespan_s"] / out["pred_period_sync_costs_s"]
         out["contention"] = contention(overlaps)
+        out["contention"]["cores_in_use"] = {mode: cores_in_use(ranks, name, mode, args.rounds)
+                                             for mode in ("sync", "interlocked")}
         for mode in CLIPPED:
             if mode not in ranks[0]["runs"][name]:
                 continue
@@ -318,10 +381,11 @@ def analyse(ranks, args, m):
             validate = [statistics.median([e - s for c in runs for n, s, e, _ in c["other"] if n == "ValidateStep"]
                                           or [0.0]) for runs in clipped]
             periods = [_period(_timeline(ranks, name, mode, i, m, args), k) for i in range(args.rounds)]
-            out.setdefault("clipped", {})[mode.split("-")[1]] = {
+            out.setdefault("clipped", {})[policy_key(mode)] = {
                 "threshold": statistics.median(c["threshold"] for c in clipped[0]), "steps": steps,
                 "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
                 "waited_per_rank": [sum(c["waited"] for c in runs) for runs in clipped],
+                "replays_per_rank": [sum(c.get("replays", 0) for c in runs) for runs in clipped],
                 "rollback_s": statistics.median(cost) if cost else None,
                 "validate_s_per_rank": validate, "period_s": statistics.median(periods),
                 "speedup": out["sync_s"] / statistics.median(periods)}
@@ -350,9 +414,14 @@ def table(res, m):
         measured = f"{c['cost_ratio_measured']:.3f}" if c["cost_ratio_measured"] is not None else "-"
         lines.append(f"{'':10} pass time overlapped by the other rank's compute: sync {c['overlap']['sync']:.1%}, "
                      f"interlocked {c['overlap']['interlocked']:.1%}; pass time interlocked / sync {measured}")
+        if c["cores_in_use"]["sync"] is not None:
+            lines.append(f"{'':10} cores in use on average (of {os.cpu_count()}): sync "
+                         f"{c['cores_in_use']['sync']:.2f}, interlocked {c['cores_in_use']['interlocked']:.2f}")
         for policy, c in r.get("clipped", {}).items():
             cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
-            lines.append(f"{'':10} clipping at {c['threshold']:.3g}, {policy:5}: rollbacks {c['rollbacks_per_rank']}, "
+            at = "none clips" if c["threshold"] >= NEVER else f"at {c['threshold']:.3g}"
+            lines.append(f"{'':10} clipping {at}, {policy}: rollbacks {c['rollbacks_per_rank']}, "
+                         f"replays {c.get('replays_per_rank')}, "
                          f"waited {c['waited_per_rank']} of {c['steps']} steps per rank, a rollback {cost}, "
                          f"validation per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
                          f"period {c['period_s'] * 1e3:.1f} ms, speed-up {c['speedup']:.3f}")
@@ -379,7 +448,7 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     if args.docs:
         import benchmark_docs  # beside this script
-        benchmark_docs.publish(report, "interlock")
+        benchmark_docs.publish(report, f"interlock-timed-p{args.stages}" if args.pass_ms else "interlock")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ def main(argv=None):
         one_iteration,
         predict,
     )
+    from schedules.registry import available_schedules
+    from schedules.simulator.simulate import simulate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -33,7 +35,11 @@ def main(argv=None):
     iteration = timeline.iterations()[-1] if args.iteration is None else args.iteration
     measured = one_iteration(timeline, iteration)
     events = load_p2p_events(args.trace)
-    p2p_cpu, dispatch = measured_p2p_cpu(events), measured_dispatch(timeline, events)
+    meta = timeline.meta
+    messages = None  # who sends to whom, from the traced schedule's own streams (pairs receives with sends)
+    if meta.get("schedule") in available_schedules() and "stages" in meta and "micro_batches" in meta:
+        messages = simulate(meta["schedule"], meta["stages"], meta["micro_batches"], iterations=1).messages
+    p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
     predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu, dispatch)
     _, span = measured.span()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

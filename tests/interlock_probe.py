@@ -93,7 +93,8 @@ def main(steps, m, cases):
                                  "losses": inter_losses, "rollbacks": inter.rollbacks, "deferred": inter.deferred,
                                  "waited": inter.waited,
                                  "skipped": inter.skipped, "sync_skipped": sync.skipped,
-                                 "validations": inter.validations, "pending": inter._pending is not None}
+                                 "validations": inter.validations, "replays": inter.replays,
+                                 "pending": inter._pending is not None}
     print(json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,9 @@
 """scripts/benchmark_interlock.py's contention figures: the share of each pass during which the other rank computed,
-and the pass time of the interlocked run over the synchronised one's. Fast: synthetic traces, no process started."""
+the pass time of the interlocked run over the synchronised one's, and the cores the ranks kept busy. Fast:
+synthetic traces, no process started."""
 import importlib.util
 import os
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -46,3 +48,15 @@ def test_contention_compares_the_overlap_and_the_pass_time_of_the_two_runs():
     assert c["overlap"]["sync"] == pytest.approx(0.25)
     assert c["overlap"]["interlocked"] == pytest.approx((3.6 + 6.0) / (4.8 + 8.0))
     assert c["cost_ratio_measured"] == pytest.approx((1.2 + 2.0) / (1.0 + 2.0))
+
+
+def test_cores_in_use_sums_every_ranks_cpu_time_over_the_slowest_ranks_wall_time():
+    bench = script()
+
+    def rank(*runs):  # (cpu_s, wall_s) per round
+        return {"runs": {"x": {"sync": [{"cpu_s": c, "wall_s": w} for c, w in runs]}}}
+
+    ranks = [rank((1.0, 4.0), (3.0, 2.0)), rank((2.0, 5.0), (1.0, 2.0))]
+    assert bench.cores_in_use(ranks, "x", "sync", 2) == pytest.approx(statistics.median([3.0 / 5.0, 4.0 / 2.0]))
+    old = [{"runs": {"x": {"sync": [{}]}}}] * 2  # a record from before the CPU time was kept
+    assert bench.cores_in_use(old, "x", "sync", 1) is None

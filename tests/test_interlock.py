@@ -85,20 +85,29 @@ def _assert_interlocked_equals_synchronised(ranks, case):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, dp, m, cases", [
-    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto"]),
-    (4, 1, 8, ["zb-h2:bites", "zb-v:nan"]),
-    (2, 2, 4, ["zb-h1:bites", "zb-v:nan"]),  # two data-parallel replicas of a 2-stage pipeline
+    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto",
+               "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate"]),
+    (4, 1, 8, ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate"]),
+    (2, 2, 4, ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate"]),  # 2 data-parallel replicas of a 2-stage pipeline
 ], ids=["pp2", "pp4", "pp2xdp2"])
 def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
     """Weights and losses equal step for step; where clipping bites, a stage that stepped on its own norm
     rolled back and redid the step (counted), and one whose own norm already clipped waited; the infinite
-    gradient of one stage skipped that step on every stage, in both runs. With two data-parallel replicas
-    (each its own data) the losses are the replicas' average, as DeepSpeed's synchronised step returns it."""
+    gradient of one stage skipped that step on every stage, in both runs. Speculating past the validation,
+    the step after one that was redone or skipped ran again from its start, on every rank alike. With two
+    data-parallel replicas (each its own data) the losses are the replicas' average, as DeepSpeed's
+    synchronised step returns it."""
     ranks = _probe(p * dp, STEPS, m, cases, dp=dp)
     for case in cases:
         _assert_interlocked_equals_synchronised(ranks, case)
         assert all(r[case]["sync_losses"] == ranks[0][case]["sync_losses"] for r in ranks), case  # one average
         scenario, *policy = case.split(":")[1:]
+        replays = {r[case]["replays"] for r in ranks}
+        assert len(replays) == 1, (case, replays)  # every rank replays the same steps, or the pipeline would hang
+        if policy == ["speculate"]:  # a step whose validation redid the one before ran again, on every rank
+            assert replays.pop() > 0 if scenario in ("bites", "nan") else replays.pop() == 0, case
+        else:
+            assert replays.pop() == 0, case
         if policy == ["wait"]:  # never ahead of the norm: no backup, no rollback, and the same training
             assert all(r[case]["rollbacks"] == 0 for r in ranks), case
             assert sum(r[case]["waited"] for r in ranks) > 0, case

@@ -4,6 +4,8 @@ B computes input gradients and the gradients of non-linear-layer parameters; W c
 linear layers' weight gradients later; together they equal the fused backward, and each does
 about half of its matrix-multiply FLOPs.
 """
+import time
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,6 +32,11 @@ def deep_stage():
     return torch.nn.Sequential(*deep_model.DeepModel(deep_model.DeepConfig(width=64, depth=4)).to_layers())
 
 
+def timed_stage(seconds=(0.001, 0.002, 0.003)):
+    config = deep_model.DeepConfig(width=64, depth=4, pass_seconds=seconds)
+    return torch.nn.Sequential(*deep_model.DeepModel(config).to_layers())
+
+
 def inputs(stage):
     torch.manual_seed(0)
     width = 32 if isinstance(stage[0], gptlite.Block) else 64
@@ -41,7 +48,7 @@ def loss_of(stage, x):
     return (stage(x) ** 2).mean()
 
 
-@pytest.mark.parametrize("make", [gpt_stage, deep_stage], ids=["gptlite", "deep"])
+@pytest.mark.parametrize("make", [gpt_stage, deep_stage, timed_stage], ids=["gptlite", "deep", "timed"])
 def test_b_then_w_equals_fused_backward(make):
     stage = make()
     x = inputs(stage)
@@ -68,7 +75,7 @@ def test_b_then_w_equals_fused_backward(make):
         assert torch.allclose(p.grad, fused[name], atol=1e-6), name
 
 
-@pytest.mark.parametrize("make", [gpt_stage, deep_stage], ids=["gptlite", "deep"])
+@pytest.mark.parametrize("make", [gpt_stage, deep_stage, timed_stage], ids=["gptlite", "deep", "timed"])
 def test_in_place_accumulation_equals_autograds_over_micro_batches(make):
     """Three micro-batches: the weight gradients added into .grad by their multiply (fused backward, and B
     then W) equal autograd's accumulation of fresh gradients; the linear layers' .grad tensors are the
@@ -161,3 +168,33 @@ def test_between_b_and_w_only_the_linear_inputs_and_output_grads_are_kept():
         assert 0 < tracker.live_bytes == sum(storages.values()) < saved_after_forward
         apply_weight_grads(queue)
         assert tracker.live_bytes == 0
+
+
+def test_timed_blocks_compute_what_deep_blocks_do_in_their_set_times():
+    """deep_model's TimedBlock (pass_seconds): the same parameters, outputs and gradients as DeepBlock, its
+    forward, B and W each taking at least their set time per block, and not much more."""
+    timed, deep = timed_stage((0.02, 0.03, 0.04)), deep_stage()
+    for (name, a), (_, b) in zip(timed.named_parameters(), deep.named_parameters()):
+        assert torch.equal(a, b), name
+    x = inputs(deep)
+
+    def clocked(f):
+        t0 = time.perf_counter()
+        out = f()
+        return out, time.perf_counter() - t0
+
+    def passes():
+        loss, forward = clocked(lambda: loss_of(timed, x))
+        with defer_weight_grads() as queue:
+            _, b = clocked(loss.backward)
+        _, w = clocked(lambda: apply_weight_grads(queue))
+        return forward, b, w
+
+    passes()  # autograd's first backward in a process starts its machinery (0.3 s here)
+    timed.zero_grad(set_to_none=True)
+    forward, b, w = passes()
+    loss_of(deep, x).backward()
+    for (name, a), (_, b_) in zip(timed.named_parameters(), deep.named_parameters()):
+        assert torch.allclose(a.grad, b_.grad, atol=1e-6), name
+    for took, want in ((forward, 0.08), (b, 0.12), (w, 0.16)):  # 4 blocks
+        assert want <= took < want + 0.05, (took, want)

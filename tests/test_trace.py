@@ -9,8 +9,10 @@ from schedules.observe.trace import (
     load_chrome_trace,
     measured_costs,
     measured_dispatch,
+    measured_latency,
     measured_p2p_cpu,
     one_iteration,
+    paired_messages,
     predict,
 )
 from schedules.simulator.simulate import simulate
@@ -69,6 +71,54 @@ def test_engine_time_measured_from_the_trace():
     peer = [("RecvActivation", 1.5, 1.6, 0), ("RecvActivation", 2.7, 3.5, 0)]
     send, recv = measured_p2p_cpu([p2p, peer])
     assert send == pytest.approx(0.25) and recv == pytest.approx(0.1)
+
+
+def test_receives_are_paired_with_their_sends_by_the_schedules_own_streams_at_any_rank_count():
+    """3 ranks of 1F1B, m = 2: the simulator says who sends to whom, in each rank's stream order; the traced
+    records pair by it (rank 1 receives activations from rank 0 and gradients from rank 2). A receive that
+    began after its send ended took the data in (its time is the receive's own); one that began before
+    waited, and from the send's end to its end is the message's latency plus that receive time."""
+    messages = simulate("1f1b", 3, 2, iterations=1).messages
+    assert messages[1] == [(False, "activation", 0), (True, "activation", 2), (False, "activation", 0),
+                           (False, "gradient", 2), (True, "activation", 2), (True, "gradient", 0),
+                           (False, "gradient", 2), (True, "gradient", 0)]
+    for rank, row in enumerate(messages):  # every send has its receive on the peer
+        for is_send, kind, peer in row:
+            assert abs(peer - rank) == 1
+        sent = [(kind, peer) for is_send, kind, peer in row if is_send]
+        for kind, peer in set(sent):
+            received = [(k, q) for s, k, q in messages[peer] if not s]
+            assert sent.count((kind, peer)) == received.count((kind, rank))
+
+    v = simulate("zb-v", 4, 8, iterations=1).messages  # V-shape: chunk 1 runs back from rank 3 to rank 0
+    assert {peer for s, kind, peer in v[0] if kind == "activation" and not s} == {1}
+    assert {peer for s, kind, peer in v[1] if kind == "activation" and not s} == {0, 2}
+    assert {peer for s, kind, peer in v[3] if kind == "activation" and not s} == {2}
+
+    def records(rank, times):  # one record per message of the rank's stream, at the given (start, end)
+        names = {(True, "activation"): "SendActivation", (False, "activation"): "RecvActivation",
+                 (True, "gradient"): "SendGrad", (False, "gradient"): "RecvGrad"}
+        return [(names[m[:2]], s, e, 0) for m, (s, e) in zip(messages[rank], times)]
+
+    # sends take 0.1; rank 1's two activation receives: the first found its data (0.05 to take in), the second
+    # waited from 2.0 to 3.3 for a send that ended at 3.0 (latency 0.3 - 0.05); the rest found theirs too
+    rank0 = records(0, [(0.0, 0.1), (1.0, 1.1), (5.0, 5.05), (8.0, 8.05)])
+    rank1 = records(1, [(0.2, 0.25), (0.5, 0.6), (2.0, 3.3), (4.0, 4.05), (4.5, 4.6), (4.7, 4.8), (7.0, 7.05),
+                        (7.5, 7.6)])
+    rank2 = records(2, [(0.7, 0.75), (3.5, 3.6), (4.9, 4.95), (6.0, 6.1)])
+    rank0[1] = ("SendActivation", 2.9, 3.0, 0)
+    pairs = paired_messages([rank0, rank1, rank2], messages)
+    assert len(pairs) == 8 and all(s[0].startswith("Send") and r[0].startswith("Recv") for s, r in pairs)
+    assert (("SendActivation", 2.9, 3.0, 0), ("RecvActivation", 2.0, 3.3, 0)) in pairs
+    send, recv = measured_p2p_cpu([rank0, rank1, rank2], messages)
+    assert send == pytest.approx(0.1) and recv == pytest.approx(0.05)
+    assert measured_latency([rank0, rank1, rank2], messages, recv) == pytest.approx(0.25)
+    # without the streams only two ranks pair
+    assert paired_messages([rank0, rank1, rank2]) == [] and measured_p2p_cpu([rank0, rank1, rank2]) == (0.0, 0.0)
+    assert measured_latency([rank0, rank1, rank2]) is None
+    # an iteration whose records are not the simulated stream is left out, not mispaired
+    assert paired_messages([rank0[:-1], rank1, rank2], messages) == [
+        (s, r) for s, r in pairs if s not in rank0 and r not in rank0]
 
 
 @pytest.mark.multiprocess

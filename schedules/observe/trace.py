@@ -290,24 +290,59 @@ def _means(entries):
     return {key: {kind: sum(v) / len(v) for kind, v in kinds.items()} for key, kinds in table.items()}
 
 
-def measured_p2p_cpu(p2p_by_rank):
+_DATA_P2P = {'SendActivation': (True, 'activation'), 'RecvActivation': (False, 'activation'),
+             'SendGrad': (True, 'gradient'), 'RecvGrad': (False, 'gradient')}  # traced name: (is_send, kind)
+
+
+def paired_messages(p2p_by_rank, messages=None):
+    """[(send record, receive record)] of each data message of a traced run, from its ranks' p2p records
+    ((name, start, end, iteration)). A receive is paired with its send by its peer: `messages` gives each
+    rank's peers, per rank the data sends and receives of one iteration in stream order as the simulator
+    runs them (`simulate(...).messages`); then the n-th send on a channel (from, to, kind, iteration) is
+    the n-th receive. Without `messages`, a 2-rank run pairs with the other rank, and other rank counts
+    give no pairs. An iteration whose records are not the simulated stream (cut off) is left out."""
+    if messages is None and len(p2p_by_rank) != 2:
+        return []
+    channels = {}  # (from, to, kind, iteration) -> ([send records], [receive records]) in order
+    for rank, events in enumerate(p2p_by_rank):
+        by_iteration = {}
+        for e in events:
+            if e[0] in _DATA_P2P:
+                by_iteration.setdefault(e[3], []).append(e)
+        for it, records in by_iteration.items():
+            expected = messages[rank] if messages is not None else [(*_DATA_P2P[e[0]], 1 - rank) for e in records]
+            if [_DATA_P2P[e[0]] for e in records] != [m[:2] for m in expected]:
+                continue
+            for e, (is_send, kind, peer) in zip(records, expected):
+                key = (rank, peer, kind, it) if is_send else (peer, rank, kind, it)
+                channels.setdefault(key, ([], []))[0 if is_send else 1].append(e)
+    return [pair for sent, received in channels.values() for pair in zip(sent, received)]
+
+
+def _median(values):
+    return statistics.median(values) if values else 0.0
+
+
+def measured_p2p_cpu(p2p_by_rank, messages=None):
     """(send, receive): seconds a data send / receive instruction takes on its own rank, from the
-    traced p2p records of a 2-rank run of engines with asynchronous sends: the median send (posting
+    traced p2p records of a run of engines with asynchronous sends: the median send (posting
     it), and the median receive whose data had been sent before the receive began (so it did not
-    wait: taking the data in). Messages are matched per kind and step in order (one peer);
-    (0, 0) for other rank counts."""
-    if len(p2p_by_rank) != 2:
+    wait: taking the data in). Receives are paired with their sends by `paired_messages`; with no
+    pairs (more than 2 ranks and no `messages`), (0, 0)."""
+    pairs = paired_messages(p2p_by_rank, messages)
+    if not pairs:
         return 0.0, 0.0
     sends = [end - start for events in p2p_by_rank for name, start, end, _ in events if name.startswith('Send')]
-    ready = []
-    for rank in range(2):
-        for kind in ('Activation', 'Grad'):
-            for step in {e[3] for e in p2p_by_rank[rank]}:
-                recvs = [e for e in p2p_by_rank[rank] if e[0] == 'Recv' + kind and e[3] == step]
-                peer = [e for e in p2p_by_rank[1 - rank] if e[0] == 'Send' + kind and e[3] == step]
-                ready += [r[2] - r[1] for r, s in zip(recvs, peer) if s[2] <= r[1]]
-    median = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
-    return median(sends), median(ready)
+    return _median(sends), _median([r[2] - r[1] for s, r in pairs if s[2] <= r[1]])
+
+
+def measured_latency(p2p_by_rank, messages=None, recv_cpu=0.0):
+    """A message's latency as the run had it (ranks sharing cores wait for one to take a message in): the
+    median, over receives that began before their data was sent (so they waited for it), of the time from
+    the send's end to the receive's end, less `recv_cpu` (the simulator adds it to every receive); None
+    with no such receive. Beside a ping-pong's latency, measured with every other rank idle."""
+    waited = [r[2] - s[2] for s, r in paired_messages(p2p_by_rank, messages) if r[1] < s[2]]
+    return max(0.0, _median(waited) - recv_cpu) if waited else None
 
 
 def measured_dispatch(timeline, p2p_by_rank):

@@ -20,7 +20,14 @@ it off the critical path:
   step yet (`deferred`).
 - The step is validated when the reduction's result is needed: before this rank's parameters
   are used again, at the start of its next instruction stream (the next step, an `eval_batch`),
-  and when `train_batches` returns. If the global norm clips, the step is rolled back from the
+  and when `train_batches` returns. Policy "speculate" validates it later, at the rank's next
+  OptimizerStep: the next step's passes run on the parameters stepped ahead (and on a rank whose
+  own norm clipped, on the parameters not yet stepped) without waiting for the norm; the step's
+  gradients are set aside meanwhile. When the norm then says the step was not what was taken,
+  every rank knows it from the same norm: each redoes the step from its set-aside gradients and
+  replays the next one from the start (the same micro-batches, the RNG state it began with;
+  `replays`). The next step's passes are wasted then; they are saved whenever clipping does not
+  bite. If the global norm clips, the step is rolled back from the
   backup (parameters and optimizer state restored exactly) and redone with the global
   coefficient; if it is not finite, the step is undone and skipped, on every stage alike
   (`skipped_steps`, no learning-rate step), as DeepSpeed's overflow check skips a step. The
@@ -32,15 +39,18 @@ stage on ZB-H2, ZB-V) therefore waits for the last stage to finish step i. With 
 wait is the interlocking's gain (docs/interlock.md has the figures); with clipping off there is
 nothing to validate and the gain is whole.
 
-`rollbacks`, `deferred` (steps not taken until validation), `waited`, `skipped` and `validations` count per rank;
-a traced engine records each validation (`ValidateStep`) and each rollback (`Rollback`) in `tracer.other`.
+`rollbacks`, `deferred` (steps not taken until validation), `waited`, `skipped`, `validations` and `replays`
+count per rank; a traced engine records each validation (`ValidateStep`), each rollback (`Rollback`) and each
+replayed step (`Replay`) in `tracer.other`.
 """
 import time
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zero0_fp32
+from schedules.runtime.weight_grad import keep_spare_grads
 
 
 class StepBackup:
@@ -98,15 +108,40 @@ class StepBackup:
 
 
 class _Pending:
-    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs', 'started', 'waits')
+    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs', 'started', 'waits', 'grads')
 
     def __init__(self, work, squares, stepped, lr_kwargs, started, waits):
         self.work, self.squares, self.stepped, self.lr_kwargs = work, squares, stepped, lr_kwargs
         self.started = started  # perf_counter() when the norm's all-reduce was started
         self.waits = waits      # could have stepped ahead, but the policy waits for the norm
+        self.grads = None       # speculating: [(parameter, its gradient of the step)], set aside
 
 
-POLICIES = ("auto", "ahead", "wait")
+class _Replayable:
+    """The data iterator of a speculative call: it keeps what the step being run took from its source, so that a
+    replayed step takes the same micro-batches again."""
+
+    def __init__(self, source):
+        self.source, self.taken, self.again = source, [], []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.again.pop(0) if self.again else next(self.source)
+        self.taken.append(item)
+        return item
+
+    def step(self):
+        """A new step begins: what the last one took is no longer needed."""
+        self.taken = []
+
+    def rewind(self):
+        """The step begins again: its micro-batches come again, in their order."""
+        self.again, self.taken = self.taken + self.again, []
+
+
+POLICIES = ("auto", "ahead", "wait", "speculate")
 
 
 class AheadPolicy:
@@ -126,7 +161,7 @@ class AheadPolicy:
         self.policy, self.backup_s, self.ahead, self._ahead_paid = policy, None, True, None
 
     def steps_ahead(self):
-        return self.ahead if self.policy == "auto" else self.policy == "ahead"
+        return self.ahead if self.policy == "auto" else self.policy in ("ahead", "speculate")
 
     def backed_up(self, seconds, norm_arrived):
         """A step ahead: its backup took `seconds`, and by then the norm had (not) arrived."""
@@ -146,12 +181,13 @@ class AheadPolicy:
 
 class Interlock:
     """Mixin for our PipelineEngine subclasses (before LeanStep): `train_batches`, and the post-validated step.
-    The engine calls `_validate_step()` when an instruction stream starts."""
+    The engine calls `_settle_before_stream()` when an instruction stream starts."""
 
     _interlocking = False
     _pending = None
-    rollbacks = deferred = waited = skipped = validations = 0
-    post_validation = "auto"  # AheadPolicy: "auto", "ahead" or "wait"
+    _replay = False  # speculating: the step being run ran on parameters its validation rejected
+    rollbacks = deferred = waited = skipped = validations = replays = 0
+    post_validation = "auto"  # AheadPolicy: "auto", "ahead", "wait" or "speculate"
 
     def post_validates(self):
         """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
@@ -169,19 +205,55 @@ class Interlock:
         self._interlocking, self.step_lrs = True, []
         tracer = getattr(self, 'tracer', None)
         losses = []
+        source = data_iter if data_iter is not None else getattr(self, 'data_iterator', None)
+        data = _Replayable(source) if self._speculating() and source is not None else data_iter
         try:
             for i in range(iterations):
                 if i and tracer is not None and tracer.active:
                     tracer.start_iteration(tracer.iteration + 1)
-                losses.append(self.train_batch(data_iter))
+                losses.append(self._train_batch_replayed(data))
                 self.step_lrs.append(self._step_lr)
         finally:
             self._interlocking = False
             self._validate_step()
         return losses
 
+    def _speculating(self):
+        return self._interlocking and self.post_validation == "speculate"
+
+    def _train_batch_replayed(self, data):
+        """`train_batch`, run again from its start (same micro-batches, same RNG state) when its step found that
+        the step before, speculated past, had to be redone."""
+        if not self._speculating():
+            return self.train_batch(data)
+        if isinstance(data, _Replayable):
+            data.step()
+        rng = torch.get_rng_state(), get_accelerator().get_rng_state()
+        while True:
+            self._replay = False
+            loss = self.train_batch(data)
+            if not self._replay:
+                return loss
+            self.replays += 1
+            torch.set_rng_state(rng[0])
+            get_accelerator().set_rng_state(rng[1])
+            if isinstance(data, _Replayable):
+                data.rewind()
+
+    def steps_per_print(self):
+        # a step that is replayed prints nothing: its loss is not the step's (DeepSpeed's train_batch logs it)
+        return None if self._replay else super().steps_per_print()
+
     # --- the step -------------------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
+        if self._speculating() and self._pending is not None and self._validate_step():
+            # the step before was redone: this step's passes ran on parameters it replaced; run them again
+            self._replay = True
+            tracer = getattr(self, 'tracer', None)
+            if tracer is not None and tracer.active:
+                now = tracer.now()
+                tracer.record_other('Replay', now, now)
+            return
         self._step_lr = self.optimizer.param_groups[0]['lr']  # the scheduler steps after the step, validated or not
         if not self.post_validates():
             return super()._take_model_step(lr_kwargs)
@@ -205,6 +277,10 @@ class Interlock:
             self.deferred += 1
         self._pending = _Pending(work, squares, stepped, lr_kwargs, started,
                                  waits=self._interlocking and local_ok and not stepped)
+        if self._speculating():  # the next step's passes accumulate afresh; these wait for the validation
+            self._pending.grads = [(p, p.grad) for p in params]
+            for p in params:
+                p.grad = None
         if not self._interlocking:
             self._validate_step()  # synchronised: wait for the norm now, then step
         self.losses = None
@@ -219,11 +295,18 @@ class Interlock:
     def _coefficient(self, squares):
         return clip_coefficient(self.gradient_clipping(), squares.sqrt())
 
+    def _settle_before_stream(self):
+        """Before an instruction stream uses the parameters: settle a pending step, unless speculating past it."""
+        if not self._speculating():
+            self._validate_step()
+
     def _validate_step(self):
-        """Settle the pending step: wait for the global norm, then keep, redo or skip the step."""
+        """Settle the pending step: wait for the global norm, then keep, redo or skip the step. True when the step
+        is not the one taken ahead (rolled back and redone, taken only now, or skipped): what ran on the parameters
+        since then ran on the wrong ones."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return False
         tracer = getattr(self, 'tracer', None)
         traced = tracer is not None and tracer.active
         t0 = tracer.now() if traced else None
@@ -236,6 +319,15 @@ class Interlock:
         self._global_grad_norm = squares.sqrt()
         finite = bool(torch.isfinite(squares))
         coef = self._coefficient(squares) if finite else 0.0
+        redo = not (pending.stepped and finite and coef >= 1.0)
+        if pending.grads is not None:  # speculated past: the step's gradients were set aside
+            if redo:  # back in place of the later passes' (which ran on the wrong parameters)
+                for p in self.module.parameters():
+                    p.grad = None
+                for p, grad in pending.grads:
+                    p.grad = grad
+            else:  # not needed again: a later step's gradients may be written into them
+                keep_spare_grads(pending.grads)
         if pending.stepped and not (finite and coef >= 1.0):
             r0 = tracer.now() if traced else None
             self._step_backup.restore(self.optimizer)
@@ -251,7 +343,8 @@ class Interlock:
                 torch._foreach_mul_([p.grad for p in self.module.parameters() if p.grad is not None], coef)
             self.optimizer.step()
         self.validations += 1
-        self.zero_grad()
+        if pending.grads is None or redo:  # (speculated past and kept: .grad holds the next step's gradients)
+            self.zero_grad()
         if finite and self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step(**(pending.lr_kwargs or {}))
@@ -259,6 +352,7 @@ class Interlock:
                 self.lr_scheduler.step(self.train_batch_size())
         if traced:
             tracer.record_other('ValidateStep', t0, tracer.now())
+        return redo
 
 def train_batches(engine, data_iter=None, iterations=1):
     """([loss of each step], [learning rate of each step]): `engine.train_batches` where the engine has it;

@@ -80,7 +80,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
         return self._receive_plan[1]
 
     def _exec_schedule(self, pipe_schedule):
-        self._validate_step()  # a post-validated step settles before the parameters are used again
+        self._settle_before_stream()  # a post-validated step settles before the parameters are used again
         tracer = getattr(self, 'tracer', None)
         traced = tracer is not None and tracer.active
         start = tracer.now() if traced else None

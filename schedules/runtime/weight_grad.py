@@ -89,6 +89,14 @@ def spare_grads(params):
         p.grad = None
 
 
+def keep_spare_grads(pairs):
+    """[(parameter, gradient tensor no longer needed)]: each becomes its parameter's spare (`spare_grads`), where
+    in-place accumulation keeps one, so that a later step's first gradient is written into it."""
+    for p, grad in pairs:
+        if grad is not None and hasattr(p, _SPARE):
+            setattr(p, _SPARE, grad)
+
+
 def _first_grad(param, compute_into):
     """`param`'s first gradient of a step: written into its spare tensor when it has one, else new."""
     buffer = getattr(param, _SPARE, None)

@@ -195,6 +195,7 @@ class _Rank:
         self.in_flight = []  # asynchronous sends not yet known to be complete
         self.memory = self.peak = 0.0
         self.passes, self.iteration_end = [], {}
+        self.messages = []  # (iteration, is_send, kind, peer rank) of each data send / receive, in stream order
 
     def at(self):
         it, step, instr = self.where
@@ -434,6 +435,7 @@ class _Simulation:
                                         f'one overwrites the unused gradient of micro-batch {rk.grad_slot[1]}')
                 buf.grad = rk.grad_slot = mb
         op = _Op(rk.rank, peer[0], is_send, (e.kind, src, dst, e.direction, mb[0], mb[1]), rk.at(), on_match)
+        rk.messages.append((it, is_send, e.kind, peer[0]))
         if is_send:
             rk.clock += self.send_cpu
         if pl.batched_p2p:
@@ -506,6 +508,9 @@ class SimResult:
     period: float  # steady-state time per iteration when chained (= makespan when iterations < 3)
     per_rank: list  # dicts: rank, busy, idle_synced, idle_interlocked, peak_activation_memory, params
     units: str
+    # per rank, each data send / receive of one iteration in its stream's order: (is_send, kind, peer rank), what
+    # pairs a traced run's p2p records with each other (trace.measured_p2p_cpu)
+    messages: list = None
 
     def worst(self, key):
         return max(row[key] for row in self.per_rank)
@@ -610,5 +615,6 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         per_rank.append({'rank': r.rank, 'busy': busy, 'idle_synced': makespan - busy,
                          'idle_interlocked': period - busy, 'peak_activation_memory': r.peak,
                          'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
-    return SimResult(timeline, chained, makespan, period, per_rank, units)
+    messages = [[m[1:] for m in r.messages] for r in one]
+    return SimResult(timeline, chained, makespan, period, per_rank, units, messages)
 
