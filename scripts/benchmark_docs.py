@@ -906,6 +906,11 @@ def interlock_model(args):
     return model
 
 
+def _latency_traced(doc):
+    """Whether a benchmark_interlock run predicted from the latency its traces measured (runs before: ping-pong)."""
+    return all("latency_traced_s" in row for res in doc["interlock"].values() for row in res["schedules"].values())
+
+
 def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
     """scripts/benchmark_interlock.py: per m, each schedule's synchronised step and interlocked period, measured
     and predicted from the run's own costs, the bubbles, and what post-validated clipping cost."""
@@ -917,7 +922,10 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
         "rank (median), its ReduceGrads and optimizer step included, as in the predicted makespan; interlocked: the "
         "steady-state period (per rank, end of its step 1 to end of its step K-1, over K-2 steps; the largest). "
-        "Predicted: the simulator from each run's own traced costs (passes, p2p, the engine's time between "
+        "Predicted: the simulator from each run's own traced costs (passes; p2p: "
+        + ("a message's latency and the send / receive time on its rank as traced, each receive paired with its "
+           "send by the schedule's streams" if _latency_traced(doc) else "ping-pong latency, the send / receive time")
+        + "; the engine's time between "
         "instructions, each rank's optimizer step: `simulate(step_cost=...)`): the makespan from the synchronised "
         "run's, the interlocked period and bubble from the interlocked run's. Speed-up: synchronised over "
         "interlocked, measured / predicted, and (order) the interlocked period predicted from the synchronised run's "
@@ -956,8 +964,12 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                 policies = {"ahead": policies}
             for policy, c in policies.items():
                 steps = c["steps"]
-                clipped.append([NAMES.get(name, name), policy, f"{c['threshold']:.3g}",
+                never = c["threshold"] >= 1e29  # benchmark_interlock's never- runs: nothing clips
+                replays = c.get("replays_per_rank")
+                clipped.append([NAMES.get(name, name), policy[len("never-"):] if never else policy,
+                                "none clips" if never else f"{c['threshold']:.3g}",
                                 f"{sum(c['rollbacks_per_rank'])} ({pct(c['rollback_rate'], 0)})",
+                                str(max(replays)) if replays else "-",
                                 str(sum(c.get("waited_per_rank", [0]))),
                                 ms(c["rollback_s"]) if c["rollback_s"] else "-",
                                 " ".join(ms(v) for v in c["validate_s_per_rank"]), ms(c["period_s"]),
@@ -990,12 +1002,13 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         if clipped:
             out.append(para(f"Post-validated clipping (the same call, clipping on at the median norm of "
                             f"{args['iterations']} synchronised steps measured each round, so that about half the "
-                            f"steps clip), per policy: steps ahead of the model's norm rolled "
-                            f"back, and steps that waited for it, over {steps} steps x {args['stages']} ranks; a "
-                            f"rollback's time; "
+                            f"steps clip, or far above every norm: none clips, every step is validated), per "
+                            f"policy: steps ahead of the model's norm rolled back, steps replayed after "
+                            f"speculating past a step that was redone (on each rank), and steps that waited for "
+                            f"the norm, over {steps} steps x {args['stages']} ranks; a rollback's time; "
                             f"the validation per step per rank; the period and its speed-up over synchronised steps "
                             f"(clipping off there)."))
-            out.append(table(["schedule", "policy", "clip at", "rollbacks", "waited", "a rollback ms",
+            out.append(table(["schedule", "policy", "clip at", "rollbacks", "replays", "waited", "a rollback ms",
                               "validation ms", "period ms", "speed-up"], clipped))
     out.append(para(f"Raw numbers: [`bench/{file}`](bench/{file}); the design and what validation "
                     "costs: [interlock.md](interlock.md)."))

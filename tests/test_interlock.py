@@ -124,13 +124,16 @@ def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks, schedule", [(2, "zb-h2"), (4, "zb-h1")], ids=["pp2", "pp2xdp2"])
-def test_train_py_interlock_matches_the_non_pipelined_model(ranks, schedule, sgd_config, references, tmp_path):
+@pytest.mark.parametrize("ranks, schedule, policy", [(2, "zb-h2", "auto"), (4, "zb-h1", "auto"),
+                                                    (2, "zb-v", "speculate")], ids=["pp2", "pp2xdp2", "speculate"])
+def test_train_py_interlock_matches_the_non_pipelined_model(ranks, schedule, policy, sgd_config, references,
+                                                            tmp_path):
     """train.py --interlock 2 (clipping on, biting every step: each stage's own norm already clips or the
     model's does): the per-step losses, validation losses and weights of the non-pipelined run; with two
-    data-parallel replicas too."""
+    data-parallel replicas too; speculating past the validation (each call's second step replayed)."""
     result = train(tmp_path, ranks, ["--pipeline-parallel-size", "2", "--pipeline-schedule", schedule, "--interlock",
-                                     "2"], sgd_config(zero=0, clip=0.05), 4, dp=ranks // 2,
+                                     "2", "--post-validation", policy], sgd_config(zero=0, clip=0.05), 4,
+                   dp=ranks // 2,
                    model=TINY_CHUNKED)  # both steps in one call
     assert_same_training(result, references(4, TINY_CHUNKED, clip=0.05, zero=0))
 
