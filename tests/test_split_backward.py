@@ -196,5 +196,5 @@ def test_timed_blocks_compute_what_deep_blocks_do_in_their_set_times():
     loss_of(deep, x).backward()
     for (name, a), (_, b_) in zip(timed.named_parameters(), deep.named_parameters()):
         assert torch.allclose(a.grad, b_.grad, atol=1e-6), name
-    for took, want in ((forward, 0.08), (b, 0.12), (w, 0.16)):  # 4 blocks
-        assert want <= took < want + 0.05, (took, want)
+    for took, want in ((forward, 0.08), (b, 0.12), (w, 0.16)):  # 4 blocks; a loaded machine may add, never take
+        assert want <= took < 2 * want + 0.1, (took, want)

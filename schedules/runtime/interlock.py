@@ -216,6 +216,8 @@ class Interlock:
         finally:
             self._interlocking = False
             self._validate_step()
+            if isinstance(data, _Replayable) and getattr(self, 'data_iterator', None) is data:
+                self.data_iterator = source  # the next call wraps its own, not this one's wrapper
         return losses
 
     def _speculating(self):
@@ -240,9 +242,12 @@ class Interlock:
             if isinstance(data, _Replayable):
                 data.rewind()
 
+    _NEVER_PRINTS = 1 << 62  # no step count is a multiple of it (a replay comes after a step: the count is >= 1)
+
     def steps_per_print(self):
-        # a step that is replayed prints nothing: its loss is not the step's (DeepSpeed's train_batch logs it)
-        return None if self._replay else super().steps_per_print()
+        # a step that is replayed prints nothing: its loss is not the step's (DeepSpeed's train_batch logs it, and
+        # its optimizer step's timers take `global_steps % steps_per_print()`, so the answer must stay a number)
+        return self._NEVER_PRINTS if self._replay else super().steps_per_print()
 
     # --- the step -------------------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
