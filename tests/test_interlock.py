@@ -86,7 +86,8 @@ def _assert_interlocked_equals_synchronised(ranks, case):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p, dp, m, cases", [
     (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto",
-               "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate"]),
+               "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate",
+               "dualpipe:bites:speculate", "interleaved:bites:speculate", "1f1b-lean:bites:speculate"]),
     (4, 1, 8, ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate"]),
     (2, 2, 4, ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate"]),  # 2 data-parallel replicas of a 2-stage pipeline
 ], ids=["pp2", "pp4", "pp2xdp2"])
