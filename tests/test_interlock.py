@@ -167,6 +167,29 @@ def test_the_simulator_charges_each_ranks_optimizer_step():
     assert [r["busy"] for r in stepped.per_rank] == [r["busy"] for r in base.per_rank]  # passes only
 
 
+@pytest.mark.parametrize("name, p, m, makespan, waits", [
+    ("zb-h2", 2, 4, 13.0, [1.0, 0.0]), ("zb-h2", 4, 8, 27.0, [3.0, 2.0, 1.0, 0.0]),
+    ("zb-h2", 8, 16, 55.0, [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]), ("zb-v", 4, 8, 25.5, [1.5, 1.0, 0.5, 0.0]),
+    ("zb-h1", 4, 8, 27.0, [0.0] * 4), ("1f1b", 4, 8, 33.0, [0.0, 2.0, 4.0, 6.0])])
+def test_the_simulator_validates_the_norm_before_the_next_step(name, p, m, makespan, waits):
+    """simulate(validation=...): a rank's next iteration starts once every rank started the model's norm at its
+    OptimizerStep. At unit costs the validated period is the synchronised makespan (the interlocking's gain is
+    the first stage's wait); with 'wait' each rank's step comes after the norm, with 'ahead' before it."""
+    from schedules.simulator.simulate import simulate
+    free = simulate(name, p, m, iterations=6)
+    ahead = simulate(name, p, m, iterations=6, validation="ahead")
+    assert free.makespan == makespan and ahead.period == makespan
+    assert [r["validation_wait"] for r in ahead.per_rank] == waits
+    assert all(r["validation_wait"] == 0.0 for r in free.per_rank)
+    stepped = simulate(name, p, m, iterations=6, validation="ahead", step_cost=0.5)
+    waited = simulate(name, p, m, iterations=6, validation="wait", step_cost=0.5)
+    assert waited.period == makespan + 0.5  # the step on the critical path, after the norm
+    assert stepped.period <= waited.period
+    assert simulate(name, p, m, iterations=6, validation="ahead", latency=0.25).period >= makespan + 0.25
+    with pytest.raises(ValueError, match="validation 'soon'"):
+        simulate(name, p, m, validation="soon")
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_step_backup_restores_parameters_and_optimizer_state_exactly(fused):
     """StepBackup: after a restore, parameters and every optimizer state tensor equal the saved ones bitwise,

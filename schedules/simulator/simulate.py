@@ -196,6 +196,8 @@ class _Rank:
         self.memory = self.peak = 0.0
         self.passes, self.iteration_end = [], {}
         self.messages = []  # (iteration, is_send, kind, peer rank) of each data send / receive, in stream order
+        self.validated_through = -1  # post-validation: the last iteration whose norm this rank waited for
+        self.validation_waits = {}  # iteration -> how long this rank waited for its norm before the next one
 
     def at(self):
         it, step, instr = self.where
@@ -207,8 +209,12 @@ class _Rank:
 
 class _Simulation:
     def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0):
+                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None):
         self.step_cost = step_cost if isinstance(step_cost, dict) else {r: step_cost for r in range(ranks)}
+        if validation not in VALIDATIONS:
+            raise ValueError(f"validation {validation!r}: choose from {', '.join(map(str, VALIDATIONS))}")
+        self.validation = validation
+        self.norm_started = {}  # iteration -> {rank: when it reached its OptimizerStep (started the norm)}
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
         self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
         self.dispatch = dispatch if isinstance(dispatch, dict) else {r: dispatch for r in range(ranks)}
@@ -257,6 +263,9 @@ class _Simulation:
                     continue
                 if rk.where is not None and (nxt is None or nxt[0] != rk.where[0]):
                     rk.iteration_end[rk.where[0]] = rk.clock
+                    if nxt is not None and self.validation and not self._validated(rk, rk.where[0]):
+                        rk.steps = itertools.chain([nxt], rk.steps)  # its next iteration waits for the norm
+                        return moved
                 if nxt is None:
                     if rk.queued:
                         raise ScheduleError(f'{rk.at()} is the end of the stream of rank {rk.rank}, but its queued '
@@ -291,7 +300,9 @@ class _Simulation:
         elif isinstance(e, (Send, Recv)):
             self._p2p(rk, e)
         elif isinstance(e, StepWork):
-            rk.clock += self.step_cost.get(rk.rank, 0.0)
+            self.norm_started.setdefault(rk.where[0], {}).setdefault(rk.rank, rk.clock)
+            if self.validation != 'wait':  # (waiting, the rank steps once the norm is in: _validated)
+                rk.clock += self.step_cost.get(rk.rank, 0.0)
         elif isinstance(e, Commit):
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
@@ -301,6 +312,22 @@ class _Simulation:
             rk.waiting, rk.queued = rk.queued, []
         else:
             raise ScheduleError(f'{rk.at()}: unknown effect {e!r}')
+
+    def _validated(self, rk, it):
+        """Post-validation (`validation`): whether the model's norm of iteration `it` is known, every rank having
+        started its part at its OptimizerStep; then the rank's clock moves to its arrival (an all-reduce: one
+        latency after the last rank started it), and under 'wait' the rank takes its step only then."""
+        started = self.norm_started.get(it, {})
+        if len(started) < len(self.ranks):
+            return False
+        arrived = max(started.values()) + self.latency
+        if rk.validated_through < it:
+            rk.validated_through = it
+            rk.validation_waits[it] = max(0.0, arrived - rk.clock)
+            rk.clock = max(rk.clock, arrived)
+            if self.validation == 'wait':
+                rk.clock += self.step_cost.get(rk.rank, 0.0)
+        return True
 
     # -- compute and the ordering rules it checks ------------------------------------------------
     def _compute(self, rk, e):
@@ -561,8 +588,11 @@ def _memory_function(memory):
     return table
 
 
+VALIDATIONS = (None, 'ahead', 'wait')  # simulate(validation=...)
+
+
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0):
+             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -578,6 +608,11 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     step_cost: seconds (or {rank: seconds}) of each rank's optimizer step (its OptimizerStep instruction, and
     what it does around it: gradient reduction, validation), e.g. measured in a traced run; busy time counts
     passes only, so it shows as idle.
+    validation: chained iterations with optimizer post-validation (schedules/runtime/interlock.py): a rank
+    starts iteration i+1 only once the model's norm of iteration i is known (every rank reached its
+    OptimizerStep, plus one latency); 'ahead': its step (step_cost) taken at its OptimizerStep, before the
+    norm; 'wait': its step taken after the norm arrives. None: nothing validated (clipping off, or
+    speculating past the validation while nothing clips).
     forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
@@ -594,14 +629,14 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     def run(n):
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu, dispatch, step_cost)
+                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation)
         sim.run()
         return sim.ranks
 
     one = run(1)
     makespan = max(r.clock for r in one)
     timeline = Timeline([r.passes for r in one], units, dict(meta, iterations=1))
-    chained, period = None, makespan
+    chained, period, waits = None, makespan, [0.0] * stages
     if iterations >= 3:
         many = run(iterations)
         chained = Timeline([r.passes for r in many], units, dict(meta, iterations=iterations))
@@ -609,11 +644,13 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         # last two iterations also covers a regime that alternates between two lengths.
         n = iterations - 1
         period = max((r.iteration_end[n] - r.iteration_end[n - 2]) / 2 for r in many)
+        waits = [r.validation_waits.get(n - 1, 0.0) for r in many]  # at the last boundary: the steady state
     per_rank = []
     for r in one:
         busy = timeline.busy(r.rank)
         per_rank.append({'rank': r.rank, 'busy': busy, 'idle_synced': makespan - busy,
-                         'idle_interlocked': period - busy, 'peak_activation_memory': r.peak,
+                         'idle_interlocked': period - busy, 'validation_wait': waits[r.rank],
+                         'peak_activation_memory': r.peak,
                          'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
     messages = [[m[1:] for m in r.messages] for r in one]
     return SimResult(timeline, chained, makespan, period, per_rank, units, messages)
