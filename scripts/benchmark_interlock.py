@@ -286,23 +286,35 @@ def _latency(spec, ranks, name, mode, i, ping_pong, messages):
     return ping_pong if traced is None else traced
 
 
-def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, replay=False):
+def _step_costs(ranks, name, mode, i, k, validation=None):
+    """{rank: seconds of its step, per step} as traced in run `mode` of round i: its ReduceGrads and OptimizerStep
+    (a speculating rank validates inside the latter). With validation 'wait' a pair (before the norm, after): the
+    step is taken in the validation at the next stream's start, once the norm is in (ValidateStep less NormWait)."""
+    costs = {}
+    for rank, r in enumerate(ranks):
+        other = r["runs"][name][mode][i]["other"]
+        per_step = lambda names: sum(e - s for n, s, e, _ in other if n in names) / k  # noqa: E731
+        step = per_step(("ReduceGrads", "ReduceTiedGrads", "OptimizerStep"))
+        costs[rank] = (step, per_step(("ValidateStep", )) - per_step(("NormWait", ))) if validation == "wait" else step
+    return costs
+
+
+def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, replay=False, validation=None):
     """The simulator's prediction of run `mode` of round i from that run's own traced costs: pass times (means),
     message latency, the send / receive time on their rank, the engine's time between instructions, and each
-    rank's optimizer step (ReduceGrads and OptimizerStep, per step) as traced. `replay`: each pass's own traced
-    duration instead of the mean of its kind (trace.replayed_costs)."""
+    rank's optimizer step (_step_costs). `replay`: each pass's own traced duration instead of the mean of its
+    kind (trace.replayed_costs). `validation`: the simulator's post-validation model ('wait': each next step
+    waits for the model's norm, the rank's own step taken after it)."""
     from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, replayed_costs
     from schedules.simulator.simulate import simulate
     k = args.iterations
     p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
-    step_cost = {rank: sum(e - s for n, s, e, _ in r["runs"][name][mode][i]["other"]
-                           if n in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")) / k
-                 for rank, r in enumerate(ranks)}
     cpu = measured_p2p_cpu(p2p, messages) if spec.placement.async_sends else (0.0, 0.0)
     return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
                     costs=(replayed_costs if replay else measured_costs)(timeline),
                     latency=_latency(spec, ranks, name, mode, i, latency, messages), p2p_cpu=cpu,
-                    dispatch=measured_dispatch(timeline, p2p), iterations=k, step_cost=step_cost)
+                    dispatch=measured_dispatch(timeline, p2p), iterations=k,
+                    step_cost=_step_costs(ranks, name, mode, i, k, validation), validation=validation)
 
 
 def analyse(ranks, args, m):
@@ -381,7 +393,16 @@ def analyse(ranks, args, m):
             validate = [statistics.median([e - s for c in runs for n, s, e, _ in c["other"] if n == "ValidateStep"]
                                           or [0.0]) for runs in clipped]
             periods = [_period(_timeline(ranks, name, mode, i, m, args), k) for i in range(args.rounds)]
+            # nothing clips in the never- runs: the simulator predicts them from their own costs, waiting for the
+            # norm before each next step ('wait'), or not at all (speculating past it)
+            predicted = None
+            if mode in ("never-wait", "never-speculate"):
+                validation = "wait" if mode == "never-wait" else None
+                predicted = statistics.median(
+                    _predict(spec, ranks, name, mode, i, _timeline(ranks, name, mode, i, m, args), latency, args,
+                             messages, validation=validation).period for i in range(args.rounds))
             out.setdefault("clipped", {})[policy_key(mode)] = {
+                "pred_period_s": predicted,
                 "threshold": statistics.median(c["threshold"] for c in clipped[0]), "steps": steps,
                 "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
                 "waited_per_rank": [sum(c["waited"] for c in runs) for runs in clipped],
@@ -424,7 +445,9 @@ def table(res, m):
                          f"replays {c.get('replays_per_rank')}, "
                          f"waited {c['waited_per_rank']} of {c['steps']} steps per rank, a rollback {cost}, "
                          f"validation per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
-                         f"period {c['period_s'] * 1e3:.1f} ms, speed-up {c['speedup']:.3f}")
+                         f"period {c['period_s'] * 1e3:.1f} ms"
+                         + (f" (predicted {c['pred_period_s'] * 1e3:.1f})" if c.get("pred_period_s") else "")
+                         + f", speed-up {c['speedup']:.3f}")
     return lines
 
 

@@ -185,9 +185,21 @@ def test_the_simulator_validates_the_norm_before_the_next_step(name, p, m, makes
     waited = simulate(name, p, m, iterations=6, validation="wait", step_cost=0.5)
     assert waited.period == makespan + 0.5  # the step on the critical path, after the norm
     assert stepped.period <= waited.period
+    assert waited.makespan == stepped.makespan == simulate(name, p, m, step_cost=0.5).makespan  # one step: as before
     assert simulate(name, p, m, iterations=6, validation="ahead", latency=0.25).period >= makespan + 0.25
     with pytest.raises(ValueError, match="validation 'soon'"):
         simulate(name, p, m, validation="soon")
+
+
+def test_a_steps_work_before_the_norm_is_started_delays_every_ranks_validation():
+    """step_cost as (before, after) the norm: the norm starts after each rank's first part; with 'ahead' the second
+    part overlaps the first stage's wait, with 'wait' it follows it (ZB-H2, p = 4, m = 8, unit costs)."""
+    from schedules.simulator.simulate import simulate
+    run = lambda validation, cost: simulate("zb-h2", 4, 8, iterations=6, validation=validation,  # noqa: E731
+                                            step_cost=cost).period
+    assert run(None, (0.25, 0.5)) == run(None, 0.75) == 24.75  # unvalidated: a step is its total
+    assert run("ahead", 0.75) == 27.0 and run("ahead", (0.25, 0.5)) == 27.25 and run("ahead", (0.75, 0.0)) == 27.75
+    assert run("wait", (0.25, 0.5)) == run("wait", 0.75) == 27.75
 
 
 @pytest.mark.parametrize("fused", [False, True])

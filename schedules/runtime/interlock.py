@@ -40,8 +40,8 @@ wait is the interlocking's gain (docs/interlock.md has the figures); with clippi
 nothing to validate and the gain is whole.
 
 `rollbacks`, `deferred` (steps not taken until validation), `waited`, `skipped`, `validations` and `replays`
-count per rank; a traced engine records each validation (`ValidateStep`), each rollback (`Rollback`) and each
-replayed step (`Replay`) in `tracer.other`.
+count per rank; a traced engine records each validation (`ValidateStep`, and within it its wait for the norm,
+`NormWait`), each rollback (`Rollback`) and each replayed step (`Replay`) in `tracer.other`.
 """
 import time
 
@@ -318,6 +318,8 @@ class Interlock:
         if pending.work is not None:
             waited = not pending.work.is_completed()
             pending.work.wait()
+            if traced:  # the validation's own wait for the norm, apart from the step work around it
+                tracer.record_other('NormWait', t0, tracer.now())
             if pending.waits:
                 self._ahead_policy().waited_for_norm(time.perf_counter() - pending.started, waited)
         squares = pending.squares

@@ -263,8 +263,9 @@ class _Simulation:
                     continue
                 if rk.where is not None and (nxt is None or nxt[0] != rk.where[0]):
                     rk.iteration_end[rk.where[0]] = rk.clock
-                    if nxt is not None and self.validation and not self._validated(rk, rk.where[0]):
-                        rk.steps = itertools.chain([nxt], rk.steps)  # its next iteration waits for the norm
+                    if self.validation and not self._validated(rk, rk.where[0]):
+                        # its next iteration (or, after its last, the end of the run) waits for the norm
+                        rk.steps = itertools.chain([nxt] if nxt is not None else [], rk.steps)
                         return moved
                 if nxt is None:
                     if rk.queued:
@@ -300,9 +301,11 @@ class _Simulation:
         elif isinstance(e, (Send, Recv)):
             self._p2p(rk, e)
         elif isinstance(e, StepWork):
+            before, after = self._step_parts(rk.rank)
+            rk.clock += before
             self.norm_started.setdefault(rk.where[0], {}).setdefault(rk.rank, rk.clock)
             if self.validation != 'wait':  # (waiting, the rank steps once the norm is in: _validated)
-                rk.clock += self.step_cost.get(rk.rank, 0.0)
+                rk.clock += after
         elif isinstance(e, Commit):
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
@@ -326,8 +329,13 @@ class _Simulation:
             rk.validation_waits[it] = max(0.0, arrived - rk.clock)
             rk.clock = max(rk.clock, arrived)
             if self.validation == 'wait':
-                rk.clock += self.step_cost.get(rk.rank, 0.0)
+                rk.clock += self._step_parts(rk.rank)[1]
         return True
+
+    def _step_parts(self, rank):
+        """(before, after): a rank's step_cost before its norm is started and after (all after for a number)."""
+        cost = self.step_cost.get(rank, 0.0)
+        return tuple(cost) if isinstance(cost, (tuple, list)) else (0.0, cost)
 
     # -- compute and the ordering rules it checks ------------------------------------------------
     def _compute(self, rk, e):
@@ -607,7 +615,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     iterations: how many to chain without barrier for the interlocked figures (< 3 skips that run).
     step_cost: seconds (or {rank: seconds}) of each rank's optimizer step (its OptimizerStep instruction, and
     what it does around it: gradient reduction, validation), e.g. measured in a traced run; busy time counts
-    passes only, so it shows as idle.
+    passes only, so it shows as idle. A rank's value may be a pair (before, after): the work before it starts
+    the model's norm (gradient reduction, its own norm) and after (with validation 'wait', once the norm is in).
     validation: chained iterations with optimizer post-validation (schedules/runtime/interlock.py): a rank
     starts iteration i+1 only once the model's norm of iteration i is known (every rank reached its
     OptimizerStep, plus one latency); 'ahead': its step (step_cost) taken at its OptimizerStep, before the
