@@ -972,7 +972,8 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                                 str(max(replays)) if replays else "-",
                                 str(sum(c.get("waited_per_rank", [0]))),
                                 ms(c["rollback_s"]) if c["rollback_s"] else "-",
-                                " ".join(ms(v) for v in c["validate_s_per_rank"]), ms(c["period_s"]),
+                                " ".join(ms(v) for v in c["validate_s_per_rank"]),
+                                ms(c["period_s"]) + (f" / {ms(c['pred_period_s'])}" if c.get("pred_period_s") else ""),
                                 f"{c['speedup']:.3f}"])
         out.append(f"### m = {m}")
         out.append(table(["schedule", "sync ms meas / pred", "interlocked ms meas / pred",
@@ -1006,8 +1007,9 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                             f"policy: steps ahead of the model's norm rolled back, steps replayed after "
                             f"speculating past a step that was redone (on each rank), and steps that waited for "
                             f"the norm, over {steps} steps x {args['stages']} ranks; a rollback's time; "
-                            f"the validation per step per rank; the period and its speed-up over synchronised steps "
-                            f"(clipping off there)."))
+                            f"the validation per step per rank; the period (where nothing clips, measured / "
+                            f"predicted by the simulator from the run's own costs: `validation='wait'` for `wait`, "
+                            f"none for `speculate`) and its speed-up over synchronised steps (clipping off there)."))
             out.append(table(["schedule", "policy", "clip at", "rollbacks", "replays", "waited", "a rollback ms",
                               "validation ms", "period ms", "speed-up"], clipped))
     out.append(para(f"Raw numbers: [`bench/{file}`](bench/{file}); the design and what validation "
