@@ -52,6 +52,43 @@ def test_a_call_ends_where_a_validation_a_checkpoint_or_the_trace_begins():
     assert [interlocked_steps(_args(trace="t.json"), s) for s in (4, 7)] == [3, 3]
 
 
+def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again():
+    """Speculating: a step whose run found the step before redone runs again on the micro-batches it took and
+    from the RNG state it began with, prints nothing meanwhile, and the call leaves the engine's own iterator
+    in place (not its wrapper, which the next call would wrap again). A stand-in engine: two micro-batches a
+    step, the second run flagged for replay as `_take_model_step` flags it."""
+    from schedules.runtime.interlock import Interlock
+
+    class Engine:
+        global_steps = 1
+
+        def steps_per_print(self):
+            return 1
+
+    class Speculating(Interlock, Engine):
+        post_validation, _step_lr = "speculate", 0.1
+
+        def __init__(self):
+            self.data_iterator, self.runs, self.draws = None, [], []
+
+        def train_batch(self, data_iter=None):
+            if data_iter is not None:
+                self.data_iterator = data_iter
+            self.runs.append([next(self.data_iterator) for _ in range(2)])
+            self.draws.append(torch.rand(1).item())
+            if len(self.runs) == 2:
+                self._replay = True
+                assert self.global_steps % self.steps_per_print() != 0  # no log line for it
+            return sum(self.runs[-1])
+
+    engine, data = Speculating(), iter(range(100))
+    assert engine.train_batches(data, iterations=3) == [1, 5, 9]
+    assert engine.runs == [[0, 1], [2, 3], [2, 3], [4, 5]] and engine.replays == 1
+    assert engine.draws[1] == engine.draws[2] != engine.draws[3]
+    assert engine.data_iterator is data and next(data) == 6
+    assert engine.steps_per_print() == 1
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--interlock", "0"], "--interlock 0 is below 1"),
     (["--interlock", "2", "--pipeline-parallel-size", "0"], "needs --pipeline-parallel-size >= 1"),
