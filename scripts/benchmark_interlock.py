@@ -275,15 +275,17 @@ def contention(passes_by_mode):
     return {"overlap": overlap, "cost_ratio_measured": measured}
 
 
-def _latency(spec, ranks, name, mode, i, ping_pong, messages):
-    """A message's latency in run `mode` of round i as traced (trace.measured_latency: what ranks sharing the
-    machine's cores add to a ping-pong's); the ping-pong's for blocking sends, whose end is the receive's."""
+def _p2p_costs(spec, ranks, name, mode, i, ping_pong, messages):
+    """(latency, (send, receive)) of run `mode` of round i as traced: a message's latency (trace.measured_latency:
+    what ranks sharing the machine's cores add to a ping-pong's) and the send / receive time on its rank. For
+    blocking sends, whose end is the receive's, the ping-pong's latency and no such time."""
     from schedules.observe.trace import measured_latency, measured_p2p_cpu
     if not spec.placement.async_sends:
-        return ping_pong
+        return ping_pong, (0.0, 0.0)
     p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
-    traced = measured_latency(p2p, messages, measured_p2p_cpu(p2p, messages)[1])
-    return ping_pong if traced is None else traced
+    cpu = measured_p2p_cpu(p2p, messages)
+    traced = measured_latency(p2p, messages, cpu[1])
+    return (ping_pong if traced is None else traced), cpu
 
 
 def _step_costs(ranks, name, mode, i, k, validation=None):
@@ -305,28 +307,28 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, repl
     rank's optimizer step (_step_costs). `replay`: each pass's own traced duration instead of the mean of its
     kind (trace.replayed_costs). `validation`: the simulator's post-validation model ('wait': each next step
     waits for the model's norm, the rank's own step taken after it)."""
-    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, replayed_costs
+    from schedules.observe.trace import measured_costs, measured_dispatch, replayed_costs
     from schedules.simulator.simulate import simulate
     k = args.iterations
     p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
-    cpu = measured_p2p_cpu(p2p, messages) if spec.placement.async_sends else (0.0, 0.0)
+    traced_latency, cpu = _p2p_costs(spec, ranks, name, mode, i, latency, messages)
     return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
-                    costs=(replayed_costs if replay else measured_costs)(timeline),
-                    latency=_latency(spec, ranks, name, mode, i, latency, messages), p2p_cpu=cpu,
+                    costs=(replayed_costs if replay else measured_costs)(timeline), latency=traced_latency,
+                    p2p_cpu=cpu,
                     dispatch=measured_dispatch(timeline, p2p), iterations=k,
                     step_cost=_step_costs(ranks, name, mode, i, k, validation), validation=validation)
 
 
 def analyse(ranks, args, m):
+    from schedules.observe.trace import stream_messages
     from schedules.registry import schedule_spec
-    from schedules.simulator.simulate import simulate
     k, p = args.iterations, args.stages
     latency = statistics.median(r["latency_s"] for r in ranks[:2])  # ranks 0 and 1 ping-pong, the others idle
     rows = {}
     for name in args.schedules:
         spec = schedule_spec(name)
         # who sends each message to whom: pairs a traced receive with its send (the send / receive time on a rank)
-        messages = simulate(spec.factory, p, m, placement=spec.placement, iterations=1).messages
+        messages = stream_messages(spec.factory, p, m, spec.placement)
         row = {"sync_s": [], "span_s": [], "period_s": [], "pred_makespan_s": [], "pred_period_s": [],
                "pred_period_sync_costs_s": [],
                "bubble_sync": [[] for _ in range(p)], "bubble_interlocked": [[] for _ in range(p)],
@@ -348,7 +350,7 @@ def analyse(ranks, args, m):
             replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages, replay=True).chained
             replay_period = _period(replay, k)
             row["replay_period_s"].append(replay_period)
-            row["latency_traced_s"].append(_latency(spec, ranks, name, "interlocked", i, latency, messages))
+            row["latency_traced_s"].append(_p2p_costs(spec, ranks, name, "interlocked", i, latency, messages)[0])
             # a synchronised step: the slowest rank's train_batch after the barrier, its ReduceGrads and optimizer
             # step included, as the simulator's makespan includes them (step_cost)
             times = [r["runs"][name]["sync"][i]["times"] for r in ranks]
@@ -392,15 +394,16 @@ def analyse(ranks, args, m):
             cost = [e - s for runs in clipped for c in runs for n, s, e, _ in c["other"] if n == "Rollback"]
             validate = [statistics.median([e - s for c in runs for n, s, e, _ in c["other"] if n == "ValidateStep"]
                                           or [0.0]) for runs in clipped]
-            periods = [_period(_timeline(ranks, name, mode, i, m, args), k) for i in range(args.rounds)]
+            timelines = [_timeline(ranks, name, mode, i, m, args) for i in range(args.rounds)]
+            periods = [_period(timeline, k) for timeline in timelines]
             # nothing clips in the never- runs: the simulator predicts them from their own costs, waiting for the
             # norm before each next step ('wait'), or not at all (speculating past it)
             predicted = None
             if mode in ("never-wait", "never-speculate"):
                 validation = "wait" if mode == "never-wait" else None
                 predicted = statistics.median(
-                    _predict(spec, ranks, name, mode, i, _timeline(ranks, name, mode, i, m, args), latency, args,
-                             messages, validation=validation).period for i in range(args.rounds))
+                    _predict(spec, ranks, name, mode, i, timeline, latency, args, messages,
+                             validation=validation).period for i, timeline in enumerate(timelines))
             out.setdefault("clipped", {})[policy_key(mode)] = {
                 "pred_period_s": predicted,
                 "threshold": statistics.median(c["threshold"] for c in clipped[0]), "steps": steps,

@@ -264,13 +264,18 @@ def launch_worker(args, what, m, names):
 
 def analyse_throughput(ranks, args, m):
     from schedules.observe.plot import plot_measured_vs_predicted
-    from schedules.observe.trace import measured_costs, measured_dispatch, measured_p2p_cpu, one_iteration
+    from schedules.observe.trace import (
+        measured_costs,
+        measured_dispatch,
+        measured_p2p_cpu,
+        one_iteration,
+        stream_messages,
+    )
     from schedules.simulator.simulate import simulate
     from schedules.simulator.timeline import Pass, Timeline
     latency = statistics.median(r["latency_s"] for r in ranks[:2])  # ranks 0 and 1 ping-pong, the others idle
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
-    cpu = [measured_p2p_cpu(t, simulate(spec_of(name).factory, args.stages, m, placement=spec_of(name).placement,
-                                         iterations=1).messages)
+    cpu = [measured_p2p_cpu(t, stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement))
            for name, t in traces.items() if spec_of(name).placement.async_sends]
     p2p_cpu = tuple(statistics.median(c[i] for c in cpu) for i in range(2)) if cpu else (0.0, 0.0)
     rows = {}

@@ -20,9 +20,9 @@ def main(argv=None):
         measured_p2p_cpu,
         one_iteration,
         predict,
+        stream_messages,
     )
     from schedules.registry import available_schedules
-    from schedules.simulator.simulate import simulate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -38,7 +38,7 @@ def main(argv=None):
     meta = timeline.meta
     messages = None  # who sends to whom, from the traced schedule's own streams (pairs receives with sends)
     if meta.get("schedule") in available_schedules() and "stages" in meta and "micro_batches" in meta:
-        messages = simulate(meta["schedule"], meta["stages"], meta["micro_batches"], iterations=1).messages
+        messages = stream_messages(meta["schedule"], meta["stages"], meta["micro_batches"])
     p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
     predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu, dispatch)
     _, span = measured.span()

@@ -294,6 +294,12 @@ _DATA_P2P = {'SendActivation': (True, 'activation'), 'RecvActivation': (False, '
              'SendGrad': (True, 'gradient'), 'RecvGrad': (False, 'gradient')}  # traced name: (is_send, kind)
 
 
+def stream_messages(schedule, stages, micro_batches, placement=None):
+    """Each rank's data sends and receives of one iteration, in stream order, with their peer ranks: what
+    `paired_messages` pairs a traced run's records by (`simulate(...).messages`, at unit costs)."""
+    return simulate(schedule, stages, micro_batches, placement=placement, iterations=1).messages
+
+
 def paired_messages(p2p_by_rank, messages=None):
     """[(send record, receive record)] of each data message of a traced run, from its ranks' p2p records
     ((name, start, end, iteration)). A receive is paired with its send by its peer: `messages` gives each

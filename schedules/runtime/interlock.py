@@ -335,7 +335,7 @@ class Interlock:
                     p.grad = grad
             else:  # not needed again: a later step's gradients may be written into them
                 keep_spare_grads(pending.grads)
-        if pending.stepped and not (finite and coef >= 1.0):
+        if pending.stepped and redo:
             r0 = tracer.now() if traced else None
             self._step_backup.restore(self.optimizer)
             self.rollbacks += 1
@@ -345,7 +345,7 @@ class Interlock:
         if not finite:
             self.skipped += 1
             self.skipped_steps += 1
-        elif not pending.stepped or coef < 1.0:  # not taken yet, or rolled back above: step with the global norm
+        elif redo:  # not taken yet, or rolled back above: step with the global norm
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self.module.parameters() if p.grad is not None], coef)
             self.optimizer.step()
