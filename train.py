@@ -93,10 +93,11 @@ def parse_args(argv=None):
                 "without waiting for the others; clipping post-validated. 1 = one step per call")
     p.flag("--post-validation", default="auto", choices=["auto", "ahead", "wait", "speculate"],
            help="with --interlock and clipping: a stage whose own norm does not clip steps before the model's norm "
-                "arrives (ahead: a backup, a rollback if the norm clips) or waits for it (wait); auto: ahead where "
-                "the rank measured the norm's wait longer than the backup; speculate: ahead, and the next step's "
-                "passes run before the norm arrives (a step that clips is redone and the next one replayed: pays "
-                "where clipping rarely bites). Same training either way")
+                "arrives (ahead: a backup, a rollback if the norm clips) or waits for it (wait); speculate: ahead, "
+                "and the next step's passes run before the norm arrives (a step that clips is redone and the next "
+                "one replayed: pays where clipping rarely bites); auto: ahead where the rank measured the norm's "
+                "wait longer than the backup, and speculating while the slowest rank's wait exceeds a backup plus "
+                "the clip rate times a step (decided alike on every rank). Same training either way")
     p.flag("--dist-timeout", type=int, default=600, help="seconds before a stuck collective or silent rank fails")
     import deepspeed
     p = deepspeed.add_config_arguments(p)

@@ -892,7 +892,8 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            created on the CPU).""")]
 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json", "interlock.json", "interlock-timed-p4.json", "interlock-timed-p8.json")
+          "peers.json", "peers-gptlite.json", "interlock.json", "interlock-clipping-off.json",
+          "interlock-timed-p4.json", "interlock-timed-p8.json")
 
 
 def interlock_model(args):
@@ -920,7 +921,10 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         f"schedule's steps with a barrier before each, {args['stages']} ranks, {interlock_model(args)}, "
         f"micro-batches of {args['micro_batch_size']}, ZeRO 0, "
         f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
-        "rank (median), its ReduceGrads and optimizer step included, as in the predicted makespan; interlocked: the "
+        "rank ("
+        + ("the mean over steps 2 to K-1, the steps the interlocked period spans" if doc.get("sync_measure") == "mean"
+           else "median over the steps")
+        + "), its ReduceGrads and optimizer step included, as in the predicted makespan; interlocked: the "
         "steady-state period (per rank, end of its step 1 to end of its step K-1, over K-2 steps; the largest). "
         "Predicted: the simulator from each run's own traced costs (passes; p2p: "
         + ("a message's latency and the send / receive time on its rank as traced, each receive paired with its "
@@ -946,6 +950,11 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                          " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
                                                                          r["pred_bubble_interlocked"])),
                          f"{within:.1f}"])
+            if "speedup_paired" in r:  # the median of the rounds' speed-ups, each round's two runs seconds apart
+                lo, hi = r["speedup_quartiles"]
+                paired_gain = r["pred_speedup_paired"] - 1
+                rows[-1][5:5] = [f"{r['speedup_paired']:.3f} ({lo:.3f}-{hi:.3f}) / {r['pred_speedup_paired']:.3f}",
+                                 f"{(r['speedup_paired'] - 1) / paired_gain:.0%}" if paired_gain > 0.01 else "-"]
             if "replay_period_s" in r:
                 off = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["replay_bubble_interlocked"])) * 100
                 replayed.append([NAMES.get(name, name), f"{ms(r['period_s'])} / {ms(r['replay_period_s'])}",
@@ -966,9 +975,11 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                 steps = c["steps"]
                 never = c["threshold"] >= 1e29  # benchmark_interlock's never- runs: nothing clips
                 replays = c.get("replays_per_rank")
+                speculated = c.get("speculated_per_rank")
                 clipped.append([NAMES.get(name, name), policy[len("never-"):] if never else policy,
                                 "none clips" if never else f"{c['threshold']:.3g}",
                                 f"{sum(c['rollbacks_per_rank'])} ({pct(c['rollback_rate'], 0)})",
+                                str(max(speculated)) if speculated else "-",
                                 str(max(replays)) if replays else "-",
                                 str(sum(c.get("waited_per_rank", [0]))),
                                 ms(c["rollback_s"]) if c["rollback_s"] else "-",
@@ -976,9 +987,11 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                                 ms(c["period_s"]) + (f" / {ms(c['pred_period_s'])}" if c.get("pred_period_s") else ""),
                                 f"{c['speedup']:.3f}"])
         out.append(f"### m = {m}")
+        paired = ["paired by round: speed-up meas (middle half) / pred", "ratio paired"]
         out.append(table(["schedule", "sync ms meas / pred", "interlocked ms meas / pred",
-                          "speed-up meas / pred (order)",
-                          "ratio", "bubble sync", "bubble interlocked", "worst pts off"], rows))
+                          "speed-up meas / pred (order)", "ratio"]
+                         + (paired if any(len(row) > 8 for row in rows) else [])
+                         + ["bubble sync", "bubble interlocked", "worst pts off"], rows))
         if replayed:
             out.append(para("The interlocked run predicted again from each traced pass's own duration, in order, "
                             "instead of the mean of its kind (`trace.replayed_costs`), over the measured window: "
@@ -1004,13 +1017,15 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
             out.append(para(f"Post-validated clipping (the same call, clipping on at the median norm of "
                             f"{args['iterations']} synchronised steps measured each round, so that about half the "
                             f"steps clip, or far above every norm: none clips, every step is validated), per "
-                            f"policy: steps ahead of the model's norm rolled back, steps replayed after "
+                            f"policy: steps ahead of the model's norm rolled back, steps speculated past (on each "
+                            f"rank), steps replayed after "
                             f"speculating past a step that was redone (on each rank), and steps that waited for "
                             f"the norm, over {steps} steps x {args['stages']} ranks; a rollback's time; "
                             f"the validation per step per rank; the period (where nothing clips, measured / "
                             f"predicted by the simulator from the run's own costs: `validation='wait'` for `wait`, "
                             f"none for `speculate`) and its speed-up over synchronised steps (clipping off there)."))
-            out.append(table(["schedule", "policy", "clip at", "rollbacks", "replays", "waited", "a rollback ms",
+            out.append(table(["schedule", "policy", "clip at", "rollbacks", "speculated", "replays", "waited",
+                              "a rollback ms",
                               "validation ms", "period ms", "speed-up"], clipped))
     out.append(para(f"Raw numbers: [`bench/{file}`](bench/{file}); the design and what validation "
                     "costs: [interlock.md](interlock.md)."))
@@ -1059,6 +1074,9 @@ def render(bench_dir=BENCH_DIR) -> str:
                  missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
     parts.append(interlock_section(docs["interlock.json"]) if "interlock.json" in docs else
                  missing("## Interlocked steps", "interlock.json", "python scripts/benchmark_interlock.py --docs"))
+    if "interlock-clipping-off.json" in docs:
+        parts.append(interlock_section(docs["interlock-clipping-off.json"], "## Interlocked steps, clipping off, "
+                                       "paired round by round", "interlock-clipping-off.json"))
     for p in (4, 8):
         if f"interlock-timed-p{p}.json" in docs:
             parts.append(interlock_section(docs[f"interlock-timed-p{p}.json"], f"## Interlocked steps at p = {p}, "

@@ -21,11 +21,13 @@ fp32, fused AdamW) and runs, in rounds with the order rotating:
   (`engine.post_validation`): stepping ahead of the model's norm (so that some steps roll back), waiting for it,
   choosing per rank by the measured costs, and speculating past it (the next step's passes before the norm; a
   step that clips is redone and the next replayed);
-- `never-wait`, `never-speculate`: clipping on far above every norm (nothing clips, every step is validated):
-  what waiting for the norm costs, and what speculating past it saves where clipping does not bite.
+- `never-wait`, `never-speculate`, `never-auto`: clipping on far above every norm (nothing clips, every step is
+  validated): what waiting for the norm costs, what speculating past it saves where clipping does not bite, and
+  which of the two `auto` picks (its speculation vote: the slowest rank's wait against a backup).
 Every step is traced. Measured: the synchronised step (per step the slowest rank's time after the barrier, its
-ReduceGrads and optimizer step included as in the predicted makespan; median) and its bubble per rank (1 - busy /
-that step's time, as the predicted makespan counts it); the interlocked period (per rank, the time between the ends
+ReduceGrads and optimizer step included as in the predicted makespan; the mean over steps 2 to K-1, those the
+interlocked period spans) and its bubble per rank (1 - busy / those steps' time, as the predicted makespan counts
+it); the interlocked period (per rank, the time between the ends
 of its passes of steps 1 and K-1, divided by K-2; the largest) and its bubble per rank (1 - busy per step / period).
 The overlap of the ranks' compute (`contention`) tells whether sharing the machine's cores slows the interlocked
 passes, and the cores in use on average (every rank's CPU time over the run's time) how close the ranks come to
@@ -47,7 +49,8 @@ import time
 SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
 # clipping on, per post-validation policy: at the median norm ("clipped-", about half the steps clip), and far
 # above every norm ("never-": nothing clips, yet every step is validated)
-CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto", "clipped-speculate", "never-wait", "never-speculate"]
+CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto", "clipped-speculate", "never-wait", "never-speculate",
+           "never-auto"]
 NEVER = 1e30  # the clipping threshold of the never- runs
 
 
@@ -69,6 +72,9 @@ def parse_args(argv=None):
                         "(deep_model.TimedBlock)")
     p.add_argument("--iterations", type=int, default=6, help="steps per interlocked call (K)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--clipping-off", action="store_true",
+                   help="only the synchronised and interlocked runs (clipping off): many rounds cheaply, for a "
+                        "speed-up paired round by round (docs/bench/interlock[-timed-pP]-clipping-off.json)")
     p.add_argument("--out", default="runs/interlock")
     p.add_argument("--docs", action="store_true", help="also publish docs/bench/interlock.json and docs/benchmarks.md")
     p.add_argument("--timeout", type=int, default=1200)
@@ -114,7 +120,8 @@ def worker(args):
     for engine in engines.values():
         engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
     latency = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4, torch.device("cpu"), lambda: None)
-    modes = {name: ["sync", "interlocked"] + (CLIPPED if hasattr(engines[name], "post_validates") else [])
+    modes = {name: ["sync", "interlocked"] + (CLIPPED if hasattr(engines[name], "post_validates")
+                                              and not args.clipping_off else [])
              for name in args.schedules}
     runs = {name: {mode: [] for mode in modes[name]} for name in args.schedules}  # per round: step times
     thresholds = {}
@@ -126,7 +133,10 @@ def worker(args):
         order = args.schedules[r % len(args.schedules):] + args.schedules[:r % len(args.schedules)]
         for name in order:
             engine = engines[name]
-            for mode in modes[name]:
+            # synchronised first in even rounds, interlocked first in odd ones: a drift of the passes' speed
+            # within a round favours neither (the clipped runs follow, after the threshold is measured)
+            paired = ["sync", "interlocked"] if r % 2 == 0 else ["interlocked", "sync"]
+            for mode in paired + modes[name][2:]:
                 clipped = mode in CLIPPED
                 threshold = NEVER if mode.startswith("never-") else thresholds.get(name, 0.0)
                 engine._config.gradient_clipping = threshold if clipped else 0.0
@@ -148,7 +158,7 @@ def worker(args):
                         times.append(time.perf_counter() - t0)
                 else:
                     rollbacks, waited = getattr(engine, "rollbacks", 0), getattr(engine, "waited", 0)
-                    replays = getattr(engine, "replays", 0)
+                    replays, speculated = getattr(engine, "replays", 0), getattr(engine, "speculated", 0)
                     t0 = time.perf_counter()
                     train_batches(engine, iter(batches), iterations=k)
                     times = [time.perf_counter() - t0]
@@ -160,6 +170,7 @@ def worker(args):
                     record["rollbacks"] = engine.rollbacks - rollbacks
                     record["waited"] = engine.waited - waited
                     record["replays"] = engine.replays - replays
+                    record["speculated"] = engine.speculated - speculated
                 if r > 0:
                     record["threshold"] = threshold if clipped else thresholds.get(name)
                     runs[name][mode].append(record)
@@ -196,6 +207,8 @@ def launch_worker(args, m):
              args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds]
     if args.pass_ms:
         flags += ["--pass-ms", *args.pass_ms]
+    if args.clipping_off:
+        flags.append("--clipping-off")
     run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_interlock.py")
     if not run.ok:
         raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
@@ -352,9 +365,13 @@ def analyse(ranks, args, m):
             row["replay_period_s"].append(replay_period)
             row["latency_traced_s"].append(_p2p_costs(spec, ranks, name, "interlocked", i, latency, messages)[0])
             # a synchronised step: the slowest rank's train_batch after the barrier, its ReduceGrads and optimizer
-            # step included, as the simulator's makespan includes them (step_cost)
+            # step included, as the simulator's makespan includes them (step_cost); the mean over the steps of the
+            # interlocked period's window, as that period is a mean over them (a median would drop the slow steps
+            # from one side of the ratio only)
             times = [r["runs"][name]["sync"][i]["times"] for r in ranks]
-            row["sync_s"].append(statistics.median(max(step) for step in zip(*times)))
+            steps = [max(step) for step in zip(*times)]
+            window = range(2, k)  # the steps the interlocked period spans: from the end of step 1 to that of K-1
+            row["sync_s"].append(statistics.fmean(steps[s] for s in window))
             row["call_s"].append(ranks[0]["runs"][name]["interlocked"][i]["times"][0] / k)
             spans = [sync.span(s) for s in sync.iterations()]
             row["span_s"].append(statistics.median(t1 - t0 for t0, t1 in spans))
@@ -364,12 +381,10 @@ def analyse(ranks, args, m):
             row["pred_period_s"].append(own.period)
             row["pred_period_sync_costs_s"].append(pred.period)
             middle = range(1, k - 1)
-            steps = [max(step) for step in zip(*times)]
             for r in range(p):
                 # over the whole synchronised step (the slowest rank's, its optimizer step included), as the
                 # predicted makespan counts it: a rank's optimizer step and its wait for the other's are idle there
-                row["bubble_sync"][r].append(statistics.median(1 - sync.busy(r, s) / step
-                                                               for s, step in zip(sync.iterations(), steps)))
+                row["bubble_sync"][r].append(1 - sum(sync.busy(r, s) for s in window) / sum(steps[s] for s in window))
                 row["bubble_interlocked"][r].append(1 - _busy_per_step(inter, r, middle) / period)
                 row["pred_bubble_sync"][r].append(pred.per_rank[r]["idle_synced"] / pred.makespan)
                 row["pred_bubble_interlocked"][r].append(own.per_rank[r]["idle_interlocked"] / own.period)
@@ -379,6 +394,13 @@ def analyse(ranks, args, m):
         # the speed-ups: measured, synchronised step time over interlocked period; predicted, makespan / period,
         # each from its run's own costs, and from the synchronised run's costs alone (the order's own gain)
         out["speedup"] = out["sync_s"] / out["period_s"]
+        # paired round by round (the two runs of a round are seconds apart, rounds minutes): the median of the
+        # rounds' speed-ups, measured and predicted, and the measured ones' quartiles
+        out["speedup_rounds"] = [s / q for s, q in zip(row["sync_s"], row["period_s"])]
+        out["pred_speedup_rounds"] = [s / q for s, q in zip(row["pred_makespan_s"], row["pred_period_s"])]
+        out["speedup_paired"] = statistics.median(out["speedup_rounds"])
+        out["pred_speedup_paired"] = statistics.median(out["pred_speedup_rounds"])
+        out["speedup_quartiles"] = quartiles(out["speedup_rounds"])
         out["speedup_wall"] = out["sync_s"] / out["call_s"]
         out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
         out["pred_speedup_order"] = out["pred_makespan_s"] / out["pred_period_sync_costs_s"]
@@ -410,11 +432,25 @@ def analyse(ranks, args, m):
                 "rollbacks_per_rank": rollbacks, "rollback_rate": sum(rollbacks) / (steps * p),
                 "waited_per_rank": [sum(c["waited"] for c in runs) for runs in clipped],
                 "replays_per_rank": [sum(c.get("replays", 0) for c in runs) for runs in clipped],
+                "speculated_per_rank": [sum(c.get("speculated", 0) for c in runs) for runs in clipped],
                 "rollback_s": statistics.median(cost) if cost else None,
                 "validate_s_per_rank": validate, "period_s": statistics.median(periods),
                 "speedup": out["sync_s"] / statistics.median(periods)}
         rows[name] = out
     return {"latency_s": latency, "schedules": rows}
+
+
+def quartiles(values):
+    """(lower quartile, upper quartile) of a list: its middle half (the values themselves below 4 of them)."""
+    if len(values) < 4:
+        return (min(values), max(values))
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return (q[0], q[2])
+
+
+def gain_ratio(measured, predicted):
+    """The measured gain over the predicted one, or None where the prediction gains under 1% (a ratio of noise)."""
+    return (measured - 1) / (predicted - 1) if predicted - 1 > 0.01 else None
 
 
 def table(res, m):
@@ -425,13 +461,19 @@ def table(res, m):
              f"{'pred':>6} {'order':>6} {'ratio':>6}  bubble sync | interlocked"]
     for name, r in res["schedules"].items():
         bub = lambda a, b: " ".join(f"{x:5.1%}/{y:5.1%}" for x, y in zip(r[a], r[b]))  # noqa: E731
-        gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
-        ratio = f"{gain / pred_gain:6.0%}" if pred_gain > 0.01 else "     -"
+        ratio = gain_ratio(r["speedup"], r["pred_speedup"])
+        ratio = f"{ratio:6.0%}" if ratio is not None else "     -"
         lines.append(f"{name:10} {r['sync_s'] * 1e3:8.1f} {r['pred_makespan_s'] * 1e3:8.1f} "
                      f"{r['period_s'] * 1e3:8.1f} {r['pred_period_s'] * 1e3:8.1f} {r['speedup']:8.3f} "
                      f"{r['pred_speedup']:6.3f} {r['pred_speedup_order']:6.3f} {ratio}  "
                      f"{bub('bubble_sync', 'pred_bubble_sync')} | "
                      f"{bub('bubble_interlocked', 'pred_bubble_interlocked')}")
+        if "speedup_paired" in r:
+            lo, hi = r["speedup_quartiles"]
+            paired = gain_ratio(r["speedup_paired"], r["pred_speedup_paired"])
+            lines.append(f"{'':10} paired by round ({len(r['speedup_rounds'])}): speed-up {r['speedup_paired']:.3f} "
+                         f"(middle half {lo:.3f}-{hi:.3f}) / {r['pred_speedup_paired']:.3f} predicted"
+                         + (f", {paired:.0%} of the predicted gain" if paired is not None else ""))
         lines.append(f"{'':10} each pass's traced duration replayed: {r['replay_period_s'] * 1e3:.1f} ms, "
                      f"bubble {bub('bubble_interlocked', 'replay_bubble_interlocked')}")
         c = r["contention"]
@@ -445,13 +487,20 @@ def table(res, m):
             cost = f"{c['rollback_s'] * 1e3:.1f} ms" if c["rollback_s"] else "-"
             at = "none clips" if c["threshold"] >= NEVER else f"at {c['threshold']:.3g}"
             lines.append(f"{'':10} clipping {at}, {policy}: rollbacks {c['rollbacks_per_rank']}, "
-                         f"replays {c.get('replays_per_rank')}, "
+                         f"replays {c.get('replays_per_rank')}, speculated {c.get('speculated_per_rank')}, "
                          f"waited {c['waited_per_rank']} of {c['steps']} steps per rank, a rollback {cost}, "
                          f"validation per step (ms) {' '.join(f'{v * 1e3:.1f}' for v in c['validate_s_per_rank'])}, "
                          f"period {c['period_s'] * 1e3:.1f} ms"
                          + (f" (predicted {c['pred_period_s'] * 1e3:.1f})" if c.get("pred_period_s") else "")
                          + f", speed-up {c['speedup']:.3f}")
     return lines
+
+
+def published_name(args):
+    """The docs/bench file a run publishes: interlock (p = 2, real compute), interlock-timed-pP (passes of set
+    times), with -clipping-off for the paired runs of clipping off only."""
+    name = f"interlock-timed-p{args.stages}" if args.pass_ms else "interlock"
+    return name + ("-clipping-off" if args.clipping_off else "")
 
 
 def main(argv=None):
@@ -461,7 +510,8 @@ def main(argv=None):
     from schedules.observe.memory import machine_line
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
-    report, lines = {"machine": machine_line(), "args": vars(args), "interlock": {}}, [machine_line()]
+    report = {"machine": machine_line(), "args": vars(args), "sync_measure": "mean", "interlock": {}}
+    lines = [machine_line()]
     for m in args.micro_batches:
         res = analyse(launch_worker(args, m), args, m)
         report["interlock"][m] = res
@@ -474,7 +524,7 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     if args.docs:
         import benchmark_docs  # beside this script
-        benchmark_docs.publish(report, f"interlock-timed-p{args.stages}" if args.pass_ms else "interlock")
+        benchmark_docs.publish(report, published_name(args))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
     python tests/interlock_probe.py STEPS MICRO_BATCHES SCHEDULE:SCENARIO ...
     PROBE_DP=2 python tests/interlock_probe.py ...    # the ranks as 2 data-parallel replicas of the pipeline
+    PROBE_PASS_MS=5 python tests/interlock_probe.py ... # blocks whose F, B and W passes take 5 ms each (TimedBlock)
 
 SCENARIO: `off` (no clipping), `never` (clipping on, threshold far above every norm), `bites` (threshold
 between the global norms the steps have: some steps clip), `nan` (clipping on, an infinite gradient
-injected on the last stage at step 2). For each, two engines built from the same seed train the same
+injected on the last stage at step 2). POLICY (after a second colon) is the post-validation policy, "ahead"
+unless named; `auto-alternate` is `auto` with a vote that speculates past every other step (the switches both
+ways, on every rank alike, whatever the timings). For each, two engines built from the same seed train the same
 micro-batches with SGD and momentum (so optimizer state is rolled back too): one a `train_batch` per step
 (synchronised), one `train_batches(iterations=STEPS)` (interlocked). Prints one JSON line per rank: per
 case the largest weight difference between the two, both runs' losses, the interlocked engine's counters.
@@ -26,9 +29,14 @@ WIDTH, DEPTH, MBS = 32, 8, 4
 INJECT_AT = 2
 
 
+PASS_MS = float(os.environ.get("PROBE_PASS_MS", "0"))
+
+
 def engine(schedule, stages, m, clip):
+    seconds = (PASS_MS / 1e3,) * 3 if PASS_MS else None
     model = deep_model.get_model(width=WIDTH, depth=DEPTH, seed=1, pipeline_num_stages=stages,
-                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(schedule, None))
+                                 pipeline_spec_layers=True, pipe_module=schedules.pipe_module(schedule, None),
+                                 pass_seconds=seconds)
     params = [p for p in model.parameters() if p.requires_grad]
     cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": clip,
            "steps_per_print": 10**9, "zero_optimization": {"stage": 0}}
@@ -81,6 +89,9 @@ def main(steps, m, cases):
             clip = (seen[len(seen) // 2 - 1] + seen[len(seen) // 2]) / 2  # between two steps' norms: half clip
         sync, inter = engine(schedule, stages, m, clip), engine(schedule, stages, m, clip)
         inter.post_validation = policy[0] if policy else "ahead"
+        if inter.post_validation == "auto-alternate":
+            inter.post_validation = "auto"
+            inter._vote().rule = lambda vote: vote.validated % 2 == 0  # every rank has validated as many steps
         if scenario == "nan":
             inject(sync)
             inject(inter)
@@ -94,6 +105,7 @@ def main(steps, m, cases):
                                  "waited": inter.waited,
                                  "skipped": inter.skipped, "sync_skipped": sync.skipped,
                                  "validations": inter.validations, "replays": inter.replays,
+                                 "speculated": inter.speculated,
                                  "pending": inter._pending is not None}
     print(json.dumps(report), flush=True)
     dist.barrier()

@@ -103,9 +103,9 @@ def test_interlock_refused_where_the_step_cannot_be_post_validated(flags, expect
 STEPS = 4
 
 
-def _probe(nprocs, steps, m, cases, dp=1):
+def _probe(nprocs, steps, m, cases, dp=1, pass_ms=0):
     run = launch(nprocs, [steps, m, *cases], script="tests/interlock_probe.py", timeout=240,
-                 env={"PROBE_DP": str(dp)})
+                 env={"PROBE_DP": str(dp), "PROBE_PASS_MS": str(pass_ms)})
     assert run.ok, run.explain()
     return [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["cases"]
             for out in run.stdout]
@@ -124,9 +124,11 @@ def _assert_interlocked_equals_synchronised(ranks, case):
 @pytest.mark.parametrize("p, dp, m, cases", [
     (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto",
                "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate",
-               "dualpipe:bites:speculate", "interleaved:bites:speculate", "1f1b-lean:bites:speculate"]),
-    (4, 1, 8, ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate"]),
-    (2, 2, 4, ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate"]),  # 2 data-parallel replicas of a 2-stage pipeline
+               "dualpipe:bites:speculate", "interleaved:bites:speculate", "1f1b-lean:bites:speculate",
+               "zb-h2:bites:auto-alternate", "zb-v:nan:auto-alternate"]),
+    (4, 1, 8, ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate", "zb-v:bites:auto-alternate"]),
+    (2, 2, 4, ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate",  # 2 data-parallel replicas of a 2-stage pipeline
+               "zb-h1:nan:auto-alternate"]),
 ], ids=["pp2", "pp4", "pp2xdp2"])
 def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
     """Weights and losses equal step for step; where clipping bites, a stage that stepped on its own norm
@@ -142,10 +144,15 @@ def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
         scenario, *policy = case.split(":")[1:]
         replays = {r[case]["replays"] for r in ranks}
         assert len(replays) == 1, (case, replays)  # every rank replays the same steps, or the pipeline would hang
+        speculated = {r[case]["speculated"] for r in ranks}
+        assert len(speculated) == 1, (case, speculated)  # every rank speculated past the same steps
         if policy == ["speculate"]:  # a step whose validation redid the one before ran again, on every rank
             assert replays.pop() > 0 if scenario in ("bites", "nan") else replays.pop() == 0, case
-        else:
-            assert replays.pop() == 0, case
+            assert speculated.pop() > 0
+        elif policy == ["auto-alternate"]:  # auto speculated past every other step, and some were redone
+            assert replays.pop() > 0 and speculated.pop() == STEPS // 2, (case, ranks[0][case])
+        elif policy != ["auto"]:  # (auto speculates where its vote, from this run's timings, says it pays)
+            assert replays.pop() == 0 and speculated.pop() == 0, case
         if policy == ["wait"]:  # never ahead of the norm: no backup, no rollback, and the same training
             assert all(r[case]["rollbacks"] == 0 for r in ranks), case
             assert sum(r[case]["waited"] for r in ranks) > 0, case
@@ -297,3 +304,48 @@ def test_the_ahead_policy_steps_ahead_only_where_the_norm_takes_longer_than_a_ba
     auto.backed_up(0.010, norm_arrived=True)
     auto.waited_for_norm(0.004, waited=True)  # 4 ms: waiting is cheaper
     assert not auto.steps_ahead()
+
+
+def test_the_speculation_vote_weighs_the_slowest_ranks_wait_against_backups_and_replays():
+    from schedules.runtime.validation_policy import SpeculationVote
+    votes = [SpeculationVote(rank, 2) for rank in range(2)]
+    assert not votes[0].speculates()  # nothing measured: no speculation
+    votes[0].waited(0.030)  # the first stage waits 30 ms for the norm before its next stream, the last none
+    votes[1].waited(0.0)
+    for vote, at in zip(votes, (0.0, 0.001)):
+        vote.step_at(at)
+        vote.step_at(at + 0.300)  # 300 ms a step
+    ballots = [vote.ballot(backup_s) for vote, backup_s in zip(votes, (0.002, 0.005))]
+    assert ballots[0].tolist() == pytest.approx([0.030, 0, 0.002, 0, 0.300, 0])  # its own slots only
+    total = ballots[0] + ballots[1]  # what the all-reduce gives every rank
+    for vote in votes:
+        vote.counted(total)
+        assert vote.figures == pytest.approx((0.030, 0.005, 0.300))  # the largest over ranks
+        vote.validated_step(redone=False)
+    assert all(vote.speculates() for vote in votes)  # 30 ms saved against a 5 ms backup, nothing clips
+    for vote in votes:  # one step in ten redone: a replay of 300 ms costs 30 ms a step, with the backup 35 > 30
+        for i in range(9):
+            vote.validated_step(redone=i == 0)
+    assert votes[0].clip_rate() == pytest.approx(0.1) and not any(vote.speculates() for vote in votes)
+    for vote in votes:  # the history is the last 16 steps: the redone one drops out
+        for _ in range(SpeculationVote.HISTORY):
+            vote.validated_step(redone=False)
+    assert all(vote.speculates() for vote in votes)
+    votes[0].speculated_and_found(arrived=True)  # speculating, the norm was in before the next stream: saves 0
+    assert votes[0].norm_wait_s == 0.0
+    votes[0].speculated_and_found(arrived=False)  # not in: the last measurement stands
+    assert votes[0].norm_wait_s == 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_auto_speculates_where_the_first_stage_waits_for_the_norm():
+    """ZB-H2 at p = 2, passes of 2 ms a block, clipping on and never biting: the first stage waits about a stage's
+    pass for the last stage's norm, far more than a backup of the tiny model, so `auto` speculates past the
+    steps once it has measured that (from the third step on), on both ranks alike, and trains the same."""
+    steps = 6
+    ranks = _probe(2, steps, 4, ["zb-h2:never:auto"], pass_ms=2)
+    case = "zb-h2:never:auto"
+    _assert_interlocked_equals_synchronised(ranks, case)
+    assert {r[case]["speculated"] for r in ranks} == {steps - 2}, [r[case] for r in ranks]
+    assert all(r[case]["replays"] == 0 and r[case]["rollbacks"] == 0 for r in ranks)

@@ -50,6 +50,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zero0_fp32
+from schedules.runtime.validation_policy import POLICIES, AheadPolicy, SpeculationVote  # noqa: F401 (re-exported)
 from schedules.runtime.weight_grad import keep_spare_grads
 
 
@@ -108,13 +109,14 @@ class StepBackup:
 
 
 class _Pending:
-    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs', 'started', 'waits', 'grads')
+    __slots__ = ('work', 'squares', 'stepped', 'lr_kwargs', 'started', 'waits', 'grads', 'vote')
 
     def __init__(self, work, squares, stepped, lr_kwargs, started, waits):
         self.work, self.squares, self.stepped, self.lr_kwargs = work, squares, stepped, lr_kwargs
         self.started = started  # perf_counter() when the norm's all-reduce was started
         self.waits = waits      # could have stepped ahead, but the policy waits for the norm
         self.grads = None       # speculating: [(parameter, its gradient of the step)], set aside
+        self.vote = None        # auto: (all-reduce work, the summed ballots) of SpeculationVote
 
 
 class _Replayable:
@@ -141,44 +143,6 @@ class _Replayable:
         self.again, self.taken = self.taken + self.again, []
 
 
-POLICIES = ("auto", "ahead", "wait", "speculate")
-
-
-class AheadPolicy:
-    """Whether a rank whose own norm does not clip steps before the model's norm arrives (`ahead`: backup, step,
-    roll back if the model's norm clips) or waits for it (`wait`: no backup, never a rollback). Both train the
-    same; only time differs. Stepping ahead saves the rank the wait for the norm (T, from the norm's all-reduce
-    being started to its result) and costs a backup (B): it pays when T > B. `auto` decides per rank from what
-    the last step showed:
-    - stepped ahead: was the norm already there when the backup was done? Then T <= B: wait next time;
-    - waited: T > B? (T is exact when the validation had to wait for the result; when the result was already
-      there, T is at most the time elapsed, and that bound decides only if no step ahead has said otherwise).
-    The first step goes ahead, which measures B."""
-
-    def __init__(self, policy="auto"):
-        if policy not in POLICIES:
-            raise ValueError(f"post-validation policy '{policy}': choose from {', '.join(POLICIES)}")
-        self.policy, self.backup_s, self.ahead, self._ahead_paid = policy, None, True, None
-
-    def steps_ahead(self):
-        return self.ahead if self.policy == "auto" else self.policy in ("ahead", "speculate")
-
-    def backed_up(self, seconds, norm_arrived):
-        """A step ahead: its backup took `seconds`, and by then the norm had (not) arrived."""
-        self.backup_s, self._ahead_paid = seconds, not norm_arrived
-        self.ahead = self._ahead_paid
-
-    def waited_for_norm(self, elapsed, waited):
-        """A step that waited: the norm was in hand `elapsed` seconds after its all-reduce began; `waited`:
-        whether the validation had to wait for it (else it had arrived earlier, at an unknown time)."""
-        if self.backup_s is None:
-            self.ahead = True
-        elif waited:
-            self.ahead = elapsed > self.backup_s
-        else:
-            self.ahead = elapsed > self.backup_s and self._ahead_paid is not False
-
-
 class Interlock:
     """Mixin for our PipelineEngine subclasses (before LeanStep): `train_batches`, and the post-validated step.
     The engine calls `_settle_before_stream()` when an instruction stream starts."""
@@ -186,8 +150,8 @@ class Interlock:
     _interlocking = False
     _pending = None
     _replay = False  # speculating: the step being run ran on parameters its validation rejected
-    rollbacks = deferred = waited = skipped = validations = replays = 0
-    post_validation = "auto"  # AheadPolicy: "auto", "ahead", "wait" or "speculate"
+    rollbacks = deferred = waited = skipped = validations = replays = speculated = 0
+    post_validation = "auto"  # "auto", "ahead", "wait" or "speculate" (validation_policy.py)
 
     def post_validates(self):
         """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
@@ -206,7 +170,7 @@ class Interlock:
         tracer = getattr(self, 'tracer', None)
         losses = []
         source = data_iter if data_iter is not None else getattr(self, 'data_iterator', None)
-        data = _Replayable(source) if self._speculating() and source is not None else data_iter
+        data = _Replayable(source) if self._may_speculate() and source is not None else data_iter
         try:
             for i in range(iterations):
                 if i and tracer is not None and tracer.active:
@@ -220,13 +184,25 @@ class Interlock:
                 self.data_iterator = source  # the next call wraps its own, not this one's wrapper
         return losses
 
-    def _speculating(self):
-        return self._interlocking and self.post_validation == "speculate"
+    def _may_speculate(self):
+        """Whether a step of this call may be speculated past (`speculate`, or `auto` where its vote says so)."""
+        return self._interlocking and self.post_validation in ("speculate", "auto")
+
+    def _speculates_past_this_step(self):
+        """Decided at the step's OptimizerStep, the step before validated: the same on every rank."""
+        if not self._interlocking:
+            return False
+        return self.post_validation == "speculate" or (self.post_validation == "auto" and self._vote().speculates())
+
+    def _vote(self):
+        if getattr(self, '_speculation_vote', None) is None:
+            self._speculation_vote = SpeculationVote(dist.get_rank(), dist.get_world_size())
+        return self._speculation_vote
 
     def _train_batch_replayed(self, data):
         """`train_batch`, run again from its start (same micro-batches, same RNG state) when its step found that
         the step before, speculated past, had to be redone."""
-        if not self._speculating():
+        if not self._may_speculate():
             return self.train_batch(data)
         if isinstance(data, _Replayable):
             data.step()
@@ -251,7 +227,7 @@ class Interlock:
 
     # --- the step -------------------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
-        if self._speculating() and self._pending is not None and self._validate_step():
+        if self._pending is not None and self._pending.grads is not None and self._validate_step():
             # the step before was redone: this step's passes ran on parameters it replaced; run them again
             self._replay = True
             tracer = getattr(self, 'tracer', None)
@@ -262,18 +238,20 @@ class Interlock:
         self._step_lr = self.optimizer.param_groups[0]['lr']  # the scheduler steps after the step, validated or not
         if not self.post_validates():
             return super()._take_model_step(lr_kwargs)
+        self._vote().step_at(time.perf_counter())
         params = [p for p in self.module.parameters() if p.grad is not None]
         squares = squared_grad_norm(params)
         local_ok = bool(torch.isfinite(squares)) and self._coefficient(squares) >= 1.0
         group = self.grid.get_pipe_parallel_group()
         work = dist.all_reduce(squares, group=group, async_op=True) if dist.get_world_size(group=group) > 1 else None
         started, stepped = time.perf_counter(), False
-        if self._interlocking and local_ok and self._ahead_policy().steps_ahead():  # the global norm checked later
+        speculate = self._speculates_past_this_step()
+        if self._interlocking and local_ok and (speculate or self._ahead_policy().steps_ahead()):  # norm later
             if not hasattr(self, '_step_backup'):
                 self._step_backup = StepBackup()
             t0 = time.perf_counter()
             self._step_backup.save(params, self.optimizer)
-            self._norm_policy.backed_up(time.perf_counter() - t0, work is None or work.is_completed())
+            self._ahead_policy().backed_up(time.perf_counter() - t0, work is None or work.is_completed())
             self.optimizer.step()
             stepped = True
         elif self._interlocking and local_ok:
@@ -282,7 +260,11 @@ class Interlock:
             self.deferred += 1
         self._pending = _Pending(work, squares, stepped, lr_kwargs, started,
                                  waits=self._interlocking and local_ok and not stepped)
-        if self._speculating():  # the next step's passes accumulate afresh; these wait for the validation
+        if self._interlocking and self.post_validation == "auto":  # each rank's figures, for the next decision
+            ballot = self._vote().ballot(self._ahead_policy().backup_s)
+            self._pending.vote = (dist.all_reduce(ballot, async_op=True), ballot)
+        if speculate:  # the next step's passes accumulate afresh; these wait for the validation
+            self.speculated += 1
             self._pending.grads = [(p, p.grad) for p in params]
             for p in params:
                 p.grad = None
@@ -302,8 +284,14 @@ class Interlock:
 
     def _settle_before_stream(self):
         """Before an instruction stream uses the parameters: settle a pending step, unless speculating past it."""
-        if not self._speculating():
-            self._validate_step()
+        pending = self._pending
+        if pending is None:
+            return
+        if pending.grads is not None:  # speculated past: validated at the next OptimizerStep
+            self._vote().speculated_and_found(pending.work is None or pending.work.is_completed())
+            return
+        self._validate_step()
+        self._vote().waited(self._norm_wait_s)
 
     def _validate_step(self):
         """Settle the pending step: wait for the global norm, then keep, redo or skip the step. True when the step
@@ -315,6 +303,7 @@ class Interlock:
         tracer = getattr(self, 'tracer', None)
         traced = tracer is not None and tracer.active
         t0 = tracer.now() if traced else None
+        wait_started = time.perf_counter()
         if pending.work is not None:
             waited = not pending.work.is_completed()
             pending.work.wait()
@@ -322,10 +311,15 @@ class Interlock:
                 tracer.record_other('NormWait', t0, tracer.now())
             if pending.waits:
                 self._ahead_policy().waited_for_norm(time.perf_counter() - pending.started, waited)
+        if pending.vote is not None:  # started with the norm's, over every rank
+            pending.vote[0].wait()
+            self._vote().counted(pending.vote[1])
+        self._norm_wait_s = time.perf_counter() - wait_started
         squares = pending.squares
         self._global_grad_norm = squares.sqrt()
         finite = bool(torch.isfinite(squares))
         coef = self._coefficient(squares) if finite else 0.0
+        self._vote().validated_step(not finite or coef < 1.0)  # the model's verdict: every rank alike
         redo = not (pending.stepped and finite and coef >= 1.0)
         if pending.grads is not None:  # speculated past: the step's gradients were set aside
             if redo:  # back in place of the later passes' (which ran on the wrong parameters)
