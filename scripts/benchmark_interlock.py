@@ -401,6 +401,7 @@ def analyse(ranks, args, m):
         out["speedup_paired"] = statistics.median(out["speedup_rounds"])
         out["pred_speedup_paired"] = statistics.median(out["pred_speedup_rounds"])
         out["speedup_quartiles"] = quartiles(out["speedup_rounds"])
+        out["meas_over_pred_paired"] = ratio_interval(out["speedup_rounds"], out["pred_speedup_rounds"])
         out["speedup_wall"] = out["sync_s"] / out["call_s"]
         out["pred_speedup"] = out["pred_makespan_s"] / out["pred_period_s"]
         out["pred_speedup_order"] = out["pred_makespan_s"] / out["pred_period_sync_costs_s"]
@@ -448,6 +449,18 @@ def quartiles(values):
     return (q[0], q[2])
 
 
+def ratio_interval(measured, predicted, level=0.9, draws=2000):
+    """[median, low, high]: the median over rounds of each round's measured speed-up over its predicted one, and
+    its `level` confidence interval (a percentile bootstrap over the rounds, seeded: the same figures from the
+    same rounds). Where the interval holds 1, the rounds cannot tell measurement from prediction."""
+    import random
+    ratios = [m / p for m, p in zip(measured, predicted)]
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return [statistics.median(ratios), medians[tail], medians[draws - 1 - tail]]
+
+
 def gain_ratio(measured, predicted):
     """The measured gain over the predicted one, or None where the prediction gains under 1% (a ratio of noise)."""
     return (measured - 1) / (predicted - 1) if predicted - 1 > 0.01 else None
@@ -473,7 +486,9 @@ def table(res, m):
             paired = gain_ratio(r["speedup_paired"], r["pred_speedup_paired"])
             lines.append(f"{'':10} paired by round ({len(r['speedup_rounds'])}): speed-up {r['speedup_paired']:.3f} "
                          f"(middle half {lo:.3f}-{hi:.3f}) / {r['pred_speedup_paired']:.3f} predicted"
-                         + (f", {paired:.0%} of the predicted gain" if paired is not None else ""))
+                         + (f", {paired:.0%} of the predicted gain" if paired is not None else "")
+                         + ("; measured / predicted {:.3f} (90% interval {:.3f}-{:.3f})".format(
+                             *r["meas_over_pred_paired"]) if "meas_over_pred_paired" in r else ""))
         lines.append(f"{'':10} each pass's traced duration replayed: {r['replay_period_s'] * 1e3:.1f} ms, "
                      f"bubble {bub('bubble_interlocked', 'replay_bubble_interlocked')}")
         c = r["contention"]

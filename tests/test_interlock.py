@@ -54,9 +54,11 @@ def test_a_call_ends_where_a_validation_a_checkpoint_or_the_trace_begins():
 
 def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again():
     """Speculating: a step whose run found the step before redone runs again on the micro-batches it took and
-    from the RNG state it began with, prints nothing meanwhile, and the call leaves the engine's own iterator
-    in place (not its wrapper, which the next call would wrap again). A stand-in engine: two micro-batches a
-    step, the second run flagged for replay as `_take_model_step` flags it."""
+    from the RNG state it began with, prints nothing and writes no monitor event meanwhile, and the call leaves
+    the engine's own iterator in place (not its wrapper, which the next call would wrap again). A stand-in
+    engine: two micro-batches a step, the second run flagged for replay as `_take_model_step` flags it."""
+    from types import SimpleNamespace
+
     from schedules.runtime.interlock import Interlock
 
     class Engine:
@@ -68,8 +70,12 @@ def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again()
     class Speculating(Interlock, Engine):
         post_validation, _step_lr = "speculate", 0.1
 
+        def post_validates(self):  # clipping on, ZeRO 0, fp32
+            return True
+
         def __init__(self):
-            self.data_iterator, self.runs, self.draws = None, [], []
+            self.data_iterator, self.runs, self.draws, self.events = None, [], [], []
+            self.monitor = SimpleNamespace(enabled=True)
 
         def train_batch(self, data_iter=None):
             if data_iter is not None:
@@ -77,8 +83,10 @@ def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again()
             self.runs.append([next(self.data_iterator) for _ in range(2)])
             self.draws.append(torch.rand(1).item())
             if len(self.runs) == 2:
-                self._replay = True
+                self._flag_replay()
                 assert self.global_steps % self.steps_per_print() != 0  # no log line for it
+            if self.monitor.enabled:  # as DeepSpeed's train_batch writes its loss event
+                self.events.append(sum(self.runs[-1]))
             return sum(self.runs[-1])
 
     engine, data = Speculating(), iter(range(100))
@@ -87,6 +95,7 @@ def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again()
     assert engine.draws[1] == engine.draws[2] != engine.draws[3]
     assert engine.data_iterator is data and next(data) == 6
     assert engine.steps_per_print() == 1
+    assert engine.events == [1, 5, 9] and engine.monitor.enabled  # the replayed run's loss 5 once, the monitor back
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -175,12 +184,23 @@ def test_train_py_interlock_matches_the_non_pipelined_model(ranks, schedule, pol
                                                             tmp_path):
     """train.py --interlock 2 (clipping on, biting every step: each stage's own norm already clips or the
     model's does): the per-step losses, validation losses and weights of the non-pipelined run; with two
-    data-parallel replicas too; speculating past the validation (each call's second step replayed)."""
+    data-parallel replicas too; speculating past the validation (each call's second step replayed), with
+    DeepSpeed's monitor getting one loss per step (the discarded runs write none)."""
+    config = sgd_config(zero=0, clip=0.05)
+    if policy == "speculate":  # the same config with DeepSpeed's CSV monitor
+        with open(config) as f:
+            cfg = json.load(f)
+        cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "run"}
+        config = tmp_path / "monitored.json"
+        config.write_text(json.dumps(cfg))
     result = train(tmp_path, ranks, ["--pipeline-parallel-size", "2", "--pipeline-schedule", schedule, "--interlock",
-                                     "2", "--post-validation", policy], sgd_config(zero=0, clip=0.05), 4,
-                   dp=ranks // 2,
+                                     "2", "--post-validation", policy], config, 4, dp=ranks // 2,
                    model=TINY_CHUNKED)  # both steps in one call
     assert_same_training(result, references(4, TINY_CHUNKED, clip=0.05, zero=0))
+    if policy == "speculate":
+        for event in ("train_loss", "lr"):  # a header, then one row per step (2)
+            rows = (tmp_path / "monitor" / "run" / f"Train_Samples_{event}.csv").read_text().splitlines()
+            assert len(rows) == 1 + 2, (event, rows)
 
 
 @pytest.mark.multiprocess

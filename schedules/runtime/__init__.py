@@ -5,6 +5,9 @@
     chunked_engine.py  ChunkedEngine: the same over several model chunks per rank (interleaved, V,
                        mirror placements), local hand-over, one communicator per message kind
     weight_grad.py     the Linear whose weight gradients a W pass computes later
+    lean_step.py       the step end that synchronises no stages (ZeRO 0): local ReduceGrads, early loss
+    interlock.py       train_batches: steps back to back, the optimizer step post-validated
+    validation_policy.py  when a post-validated step goes ahead of the model's norm, and past it
     receive_ahead.py   receives posted ahead per channel, in the order of the step's instructions
     messages.py        what passes between stages: one tensor or a tuple, its shapes, its gradients
     pipe_module.py     LayerPipe: block-aligned activation checkpointing, balanced partitions

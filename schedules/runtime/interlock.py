@@ -143,6 +143,15 @@ class _Replayable:
         self.again, self.taken = self.taken + self.again, []
 
 
+class _MutedMonitor:
+    """DeepSpeed's monitor, as a run that will be replayed sees it: disabled (train_batch and the optimizer step
+    write their events only where `monitor.enabled`)."""
+    enabled = False
+
+
+_MUTED_MONITOR = _MutedMonitor()
+
+
 class Interlock:
     """Mixin for our PipelineEngine subclasses (before LeanStep): `train_batches`, and the post-validated step.
     The engine calls `_settle_before_stream()` when an instruction stream starts."""
@@ -186,7 +195,7 @@ class Interlock:
 
     def _may_speculate(self):
         """Whether a step of this call may be speculated past (`speculate`, or `auto` where its vote says so)."""
-        return self._interlocking and self.post_validation in ("speculate", "auto")
+        return self._interlocking and self.post_validation in ("speculate", "auto") and self.post_validates()
 
     def _speculates_past_this_step(self):
         """Decided at the step's OptimizerStep, the step before validated: the same on every rank."""
@@ -209,7 +218,11 @@ class Interlock:
         rng = torch.get_rng_state(), get_accelerator().get_rng_state()
         while True:
             self._replay = False
-            loss = self.train_batch(data)
+            try:
+                loss = self.train_batch(data)
+            finally:
+                if self._replay:
+                    self.monitor = self._monitor_kept
             if not self._replay:
                 return loss
             self.replays += 1
@@ -225,15 +238,21 @@ class Interlock:
         # its optimizer step's timers take `global_steps % steps_per_print()`, so the answer must stay a number)
         return self._NEVER_PRINTS if self._replay else super().steps_per_print()
 
+    def _flag_replay(self):
+        """The step before was redone: this step's passes ran on parameters it replaced, and run again once its
+        stream is done. Until then its run reports nothing: no log line (steps_per_print), no monitor event (its
+        loss and learning rate are not the step's)."""
+        self._replay = True
+        self._monitor_kept, self.monitor = self.monitor, _MUTED_MONITOR
+        tracer = getattr(self, 'tracer', None)
+        if tracer is not None and tracer.active:
+            now = tracer.now()
+            tracer.record_other('Replay', now, now)
+
     # --- the step -------------------------------------------------------------------------------
     def _take_model_step(self, lr_kwargs):
         if self._pending is not None and self._pending.grads is not None and self._validate_step():
-            # the step before was redone: this step's passes ran on parameters it replaced; run them again
-            self._replay = True
-            tracer = getattr(self, 'tracer', None)
-            if tracer is not None and tracer.active:
-                now = tracer.now()
-                tracer.record_other('Replay', now, now)
+            self._flag_replay()
             return
         self._step_lr = self.optimizer.param_groups[0]['lr']  # the scheduler steps after the step, validated or not
         if not self.post_validates():
