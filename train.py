@@ -414,6 +414,19 @@ def train(args, trainer, start, progress, record):
                 save_checkpoint(engine, args, record, step + 1)
             step += 1
     trace.save()
+    summary = post_validation_summary(engine)
+    if summary and args.interlock > 1:
+        print(f"rank {engine.global_rank}: {summary}", flush=True)
+
+
+def post_validation_summary(engine):
+    """What post-validation did on this rank (interlock.py's counters), in one line; None where the engine's step
+    is not post-validated or validated nothing."""
+    if not getattr(engine, "validations", 0):
+        return None
+    return (f"post-validation ({engine.post_validation}): {engine.validations} steps validated, "
+            f"{engine.rollbacks} rolled back, {engine.waited} waited for the norm, {engine.speculated} speculated "
+            f"past, {engine.replays} replayed, {engine.skipped} skipped")
 
 
 def main(argv=None):

@@ -60,3 +60,27 @@ def test_cores_in_use_sums_every_ranks_cpu_time_over_the_slowest_ranks_wall_time
     assert bench.cores_in_use(ranks, "x", "sync", 2) == pytest.approx(statistics.median([3.0 / 5.0, 4.0 / 2.0]))
     old = [{"runs": {"x": {"sync": [{}]}}}] * 2  # a record from before the CPU time was kept
     assert bench.cores_in_use(old, "x", "sync", 1) is None
+
+
+def test_rounds_are_paired_and_the_interval_says_whether_they_tell_measurement_from_prediction():
+    bench = script()
+    predicted = [1.05, 0.95, 1.10, 1.00, 1.02, 0.98]  # the rounds drift; each round's prediction follows it
+    on_time = bench.ratio_interval([x * 1.0 for x in predicted], predicted)
+    assert on_time == [1.0, 1.0, 1.0]
+    short = bench.ratio_interval([x * f for x, f in zip(predicted, (0.97, 0.98, 0.99, 0.98, 0.97, 0.99))], predicted)
+    assert short[0] == pytest.approx(0.98) and short[1] <= short[0] <= short[2] < 1  # every round short: not 1
+    noisy = bench.ratio_interval([x * f for x, f in zip(predicted, (0.95, 1.04, 0.97, 1.05, 0.99, 1.02))], predicted)
+    assert noisy[1] < 1 < noisy[2]  # the rounds cannot tell
+    assert noisy == bench.ratio_interval([x * f for x, f in zip(predicted, (0.95, 1.04, 0.97, 1.05, 0.99, 1.02))],
+                                         predicted)  # seeded: the same rounds give the same figures
+    assert bench.quartiles([1.0, 2.0, 3.0]) == (1.0, 3.0)
+    assert bench.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 4.0)
+    assert bench.gain_ratio(1.03, 1.06) == pytest.approx(0.5) and bench.gain_ratio(1.03, 1.005) is None
+
+
+def test_a_run_publishes_where_its_kind_of_run_belongs():
+    bench = script()
+    assert bench.published_name(bench.parse_args([])) == "interlock"
+    assert bench.published_name(bench.parse_args(["--clipping-off"])) == "interlock-clipping-off"
+    assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1"])) == \
+        "interlock-timed-p4"

@@ -52,6 +52,18 @@ def test_a_call_ends_where_a_validation_a_checkpoint_or_the_trace_begins():
     assert [interlocked_steps(_args(trace="t.json"), s) for s in (4, 7)] == [3, 3]
 
 
+def test_train_py_says_what_post_validation_did_on_each_rank():
+    from types import SimpleNamespace
+
+    from train import post_validation_summary
+    counters = dict(validations=8, rollbacks=2, waited=1, speculated=5, replays=1, skipped=0)
+    assert post_validation_summary(SimpleNamespace(post_validation="auto", **counters)) == (
+        "post-validation (auto): 8 steps validated, 2 rolled back, 1 waited for the norm, 5 speculated past, "
+        "1 replayed, 0 skipped")
+    assert post_validation_summary(SimpleNamespace(post_validation="auto", **dict(counters, validations=0))) is None
+    assert post_validation_summary(SimpleNamespace()) is None  # DeepSpeed's own engine: nothing post-validated
+
+
 def test_a_replayed_step_takes_the_same_micro_batches_and_random_numbers_again():
     """Speculating: a step whose run found the step before redone runs again on the micro-batches it took and
     from the RNG state it began with, prints nothing and writes no monitor event meanwhile, and the call leaves
