@@ -1031,9 +1031,11 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                             f"rank), steps replayed after "
                             f"speculating past a step that was redone (on each rank), and steps that waited for "
                             f"the norm, over {steps} steps x {args['stages']} ranks; a rollback's time; "
-                            f"the validation per step per rank; the period (where nothing clips, measured / "
-                            f"predicted by the simulator from the run's own costs: `validation='wait'` for `wait`, "
-                            f"none for `speculate`) and its speed-up over synchronised steps (clipping off there)."))
+                            f"the validation per step per rank; the period (measured / predicted by the simulator "
+                            f"from the run's own costs where it models the policy: nothing clipping, "
+                            f"`validation='wait'` for `wait` and none for `speculate`; speculating where clipping "
+                            f"bites, the steps the run replayed run twice, `replayed=...`) and its speed-up over "
+                            f"synchronised steps (clipping off there)."))
             out.append(table(["schedule", "policy", "clip at", "rollbacks", "speculated", "replays", "waited",
                               "a rollback ms",
                               "validation ms", "period ms", "speed-up"], clipped))

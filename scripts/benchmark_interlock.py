@@ -36,8 +36,10 @@ send / receive time on their rank, each receive paired with its send by the sche
 time between instructions, and each rank's optimizer step as traced): the synchronised
 makespan from the synchronised run's, the interlocked period and bubbles (simulate(..., iterations=K)) from the
 interlocked run's, and the speed-up makespan / period; beside it ("order") the period predicted from the
-synchronised run's costs too, the gain of the interlocked order alone. Replayed: the interlocked run predicted from
-each traced pass's own duration instead of the mean of its kind (trace.replayed_costs), over the measured window.
+synchronised run's costs too, the gain of the interlocked order alone; the never-wait and never-speculate runs, and
+the speculating runs where clipping bites (the steps they replayed run twice: simulate(replayed=...)). Replayed:
+the interlocked run predicted from each traced pass's own duration instead of the mean of its kind
+(trace.replayed_costs), over the measured window.
 """
 import argparse
 import json
@@ -303,15 +305,23 @@ def _p2p_costs(spec, ranks, name, mode, i, ping_pong, messages):
 
 def _step_costs(ranks, name, mode, i, k, validation=None):
     """{rank: seconds of its step, per step} as traced in run `mode` of round i: its ReduceGrads and OptimizerStep
-    (a speculating rank validates inside the latter). With validation 'wait' a pair (before the norm, after): the
-    step is taken in the validation at the next stream's start, once the norm is in (ValidateStep less NormWait)."""
+    (a speculating rank validates inside the latter, a redone step's rollback included). With validation 'wait' a
+    pair (before the norm, after): the step is taken in the validation at the next stream's start, once the norm
+    is in (ValidateStep less NormWait). Per run of a step's stream: a replayed step's two runs take one each."""
     costs = {}
+    runs = k + len(_replayed(ranks, name, mode, i))
     for rank, r in enumerate(ranks):
         other = r["runs"][name][mode][i]["other"]
-        per_step = lambda names: sum(e - s for n, s, e, _ in other if n in names) / k  # noqa: E731
+        per_step = lambda names: sum(e - s for n, s, e, _ in other if n in names) / runs  # noqa: E731
         step = per_step(("ReduceGrads", "ReduceTiedGrads", "OptimizerStep"))
         costs[rank] = (step, per_step(("ValidateStep", )) - per_step(("NormWait", ))) if validation == "wait" else step
     return costs
+
+
+def _replayed(ranks, name, mode, i):
+    """The steps of run `mode` of round i that ran twice (speculating past a step that was then redone), as
+    traced (`Replay`, the same steps on every rank)."""
+    return {it for n, _s, _e, it in ranks[0]["runs"][name][mode][i]["other"] if n == "Replay"}
 
 
 def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, replay=False, validation=None):
@@ -319,7 +329,8 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, repl
     message latency, the send / receive time on their rank, the engine's time between instructions, and each
     rank's optimizer step (_step_costs). `replay`: each pass's own traced duration instead of the mean of its
     kind (trace.replayed_costs). `validation`: the simulator's post-validation model ('wait': each next step
-    waits for the model's norm, the rank's own step taken after it)."""
+    waits for the model's norm, the rank's own step taken after it). The steps the run replayed are replayed
+    (`simulate(replayed=...)`)."""
     from schedules.observe.trace import measured_costs, measured_dispatch, replayed_costs
     from schedules.simulator.simulate import simulate
     k = args.iterations
@@ -329,7 +340,8 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, repl
                     costs=(replayed_costs if replay else measured_costs)(timeline), latency=traced_latency,
                     p2p_cpu=cpu,
                     dispatch=measured_dispatch(timeline, p2p), iterations=k,
-                    step_cost=_step_costs(ranks, name, mode, i, k, validation), validation=validation)
+                    step_cost=_step_costs(ranks, name, mode, i, k, validation), validation=validation,
+                    replayed=_replayed(ranks, name, mode, i))
 
 
 def analyse(ranks, args, m):
@@ -420,13 +432,18 @@ def analyse(ranks, args, m):
             timelines = [_timeline(ranks, name, mode, i, m, args) for i in range(args.rounds)]
             periods = [_period(timeline, k) for timeline in timelines]
             # nothing clips in the never- runs: the simulator predicts them from their own costs, waiting for the
-            # norm before each next step ('wait'), or not at all (speculating past it)
+            # norm before each next step ('wait'), or not at all (speculating past it); speculating where clipping
+            # bites, with the steps it replayed run twice, over the measured window
             predicted = None
             if mode in ("never-wait", "never-speculate"):
                 validation = "wait" if mode == "never-wait" else None
                 predicted = statistics.median(
                     _predict(spec, ranks, name, mode, i, timeline, latency, args, messages,
                              validation=validation).period for i, timeline in enumerate(timelines))
+            elif mode == "clipped-speculate":
+                predicted = statistics.median(
+                    _period(_predict(spec, ranks, name, mode, i, timeline, latency, args, messages).chained, k)
+                    for i, timeline in enumerate(timelines))
             out.setdefault("clipped", {})[policy_key(mode)] = {
                 "pred_period_s": predicted,
                 "threshold": statistics.median(c["threshold"] for c in clipped[0]), "steps": steps,

@@ -381,3 +381,21 @@ def test_auto_speculates_where_the_first_stage_waits_for_the_norm():
     _assert_interlocked_equals_synchronised(ranks, case)
     assert {r[case]["speculated"] for r in ranks} == {steps - 2}, [r[case] for r in ranks]
     assert all(r[case]["replays"] == 0 and r[case]["rollbacks"] == 0 for r in ranks)
+
+
+def test_the_simulator_replays_an_iteration_after_a_redone_step():
+    """Speculating past the validation, a redone step makes every rank run the next iteration's stream twice:
+    the chained run is that of one iteration more (same streams), its passes numbered by their iteration, and the
+    wasted run's optimizer step also takes the rollback."""
+    from schedules.simulator.simulate import simulate
+    replayed = simulate("zb-h2", 2, 4, iterations=6, replayed={3})
+    one_more = simulate("zb-h2", 2, 4, iterations=7)
+    assert replayed.chained.span() == one_more.chained.span() == (0.0, 85.0)  # 7 runs of 12 units, and 1 of fill
+    assert len(replayed.chained.passes(3)) == 2 * len(replayed.chained.passes(2))
+    assert replayed.chained.iterations() == list(range(6))
+    slower = simulate("zb-h2", 2, 4, iterations=6, replayed={3}, rollback_cost=0.5)
+    assert slower.chained.span()[1] == pytest.approx(85.5)  # the rollback on the critical path, once
+    with pytest.raises(ValueError, match="validates before the next iteration"):
+        simulate("zb-h2", 2, 4, iterations=6, replayed={3}, validation="wait")
+    with pytest.raises(ValueError, match="one of 1 .. 5"):
+        simulate("zb-h2", 2, 4, iterations=6, replayed={0})

@@ -209,8 +209,17 @@ class _Rank:
 
 class _Simulation:
     def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None):
+                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None, replayed=(), rollback_cost=0.0):
         self.step_cost = step_cost if isinstance(step_cost, dict) else {r: step_cost for r in range(ranks)}
+        self.rollback_cost = (rollback_cost if isinstance(rollback_cost, dict)
+                              else {r: rollback_cost for r in range(ranks)})
+        # the runs of the iterations' streams: a replayed iteration runs twice, the first run wasted
+        self.run_iteration, self.wasted = [], set()
+        for it in range(iterations):
+            if it in replayed:
+                self.wasted.add(len(self.run_iteration))
+                self.run_iteration.append(it)
+            self.run_iteration.append(it)
         if validation not in VALIDATIONS:
             raise ValueError(f"validation {validation!r}: choose from {', '.join(map(str, VALIDATIONS))}")
         self.validation = validation
@@ -223,11 +232,11 @@ class _Simulation:
         first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
 
         def stream(r):
-            for it in range(iterations):
-                sched = first[r] if it == 0 else factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
+            for run in range(len(self.run_iteration)):  # a run of a replayed iteration counts as an iteration here
+                sched = first[r] if run == 0 else factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
                 for step, cmds in enumerate(sched.steps()):
                     for instr in cmds:
-                        yield it, step, instr
+                        yield run, step, instr
 
         self.ranks = [_Rank(r, stream(r)) for r in range(ranks)]
         self.channels = {}  # (src, dst) -> (deque of sends, deque of receives), in posting order
@@ -306,6 +315,8 @@ class _Simulation:
             self.norm_started.setdefault(rk.where[0], {}).setdefault(rk.rank, rk.clock)
             if self.validation != 'wait':  # (waiting, the rank steps once the norm is in: _validated)
                 rk.clock += after
+            if rk.where[0] in self.wasted:  # its step redoes the one before (a rollback), its own is not taken
+                rk.clock += self.rollback_cost.get(rk.rank, 0.0)
         elif isinstance(e, Commit):
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
@@ -600,7 +611,8 @@ VALIDATIONS = (None, 'ahead', 'wait')  # simulate(validation=...)
 
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
-             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None):
+             forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
+             replayed=(), rollback_cost=0.0):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -621,12 +633,22 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     starts iteration i+1 only once the model's norm of iteration i is known (every rank reached its
     OptimizerStep, plus one latency); 'ahead': its step (step_cost) taken at its OptimizerStep, before the
     norm; 'wait': its step taken after the norm arrives. None: nothing validated (clipping off, or
-    speculating past the validation while nothing clips).
+    speculating past the validation).
+    replayed: speculating past the validation (validation None), the chained iterations that ran twice because
+    the step before was redone: every rank runs the iteration's stream to its end (wasted; its OptimizerStep
+    redoes the step before, taking rollback_cost, seconds or {rank: seconds}, besides step_cost), then again.
+    The chained timeline numbers both runs' passes by their iteration, as a traced run does.
     forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
     frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
     """
+    if any(not 0 < it < iterations for it in replayed):
+        raise ValueError(f"replayed {sorted(replayed)}: an iteration replayed follows a redone one, so it is one of "
+                         f"1 .. {iterations - 1}")
+    if replayed and validation is not None:
+        raise ValueError(f"replayed iterations are what speculating past the validation costs; validation "
+                         f"{validation!r} validates before the next iteration, so nothing is replayed")
     name = schedule if isinstance(schedule, str) else getattr(schedule, '__name__', repr(schedule))
     if isinstance(schedule, str):
         spec = available_schedules()[schedule]
@@ -635,11 +657,15 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     units = _cost_function(costs)[1]
     meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
 
-    def run(n):
+    def run(n, replays=()):
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation)
+                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation, replays, rollback_cost)
         sim.run()
+        if replays:  # a run of a replayed iteration is numbered by its iteration, its end the last run's
+            for r in sim.ranks:
+                r.passes = [replace(p, iteration=sim.run_iteration[p.iteration]) for p in r.passes]
+                r.iteration_end = {sim.run_iteration[run]: end for run, end in sorted(r.iteration_end.items())}
         return sim.ranks
 
     one = run(1)
@@ -647,7 +673,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     timeline = Timeline([r.passes for r in one], units, dict(meta, iterations=1))
     chained, period, waits = None, makespan, [0.0] * stages
     if iterations >= 3:
-        many = run(iterations)
+        many = run(iterations, frozenset(replayed))
         chained = Timeline([r.passes for r in many], units, dict(meta, iterations=iterations))
         # The chained run settles into a periodic regime after a short transient; averaging the
         # last two iterations also covers a regime that alternates between two lengths.
