@@ -896,6 +896,12 @@ INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", 
           "interlock-timed-p4.json", "interlock-timed-p8.json")
 
 
+def gain_cell(measured, predicted):
+    """A measured speed-up's gain over the predicted one, as a cell; '-' where the prediction gains under 1% (a
+    ratio of noise), as benchmark_interlock.gain_ratio prints it."""
+    return f"{(measured - 1) / (predicted - 1):.0%}" if predicted - 1 > 0.01 else "-"
+
+
 def interlock_model(args):
     """The model a benchmark_interlock run trained, in words."""
     model = f"the deep model (width {args['deep_width']}, depth {args['deep_depth']})"
@@ -946,22 +952,20 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         rows, clipped, replayed, contended = [], [], [], []
         for name in ordered(res["schedules"]):
             r = res["schedules"][name]
-            gain, pred_gain = r["speedup"] - 1, r["pred_speedup"] - 1
             within = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["pred_bubble_interlocked"])) * 100
             rows.append([NAMES.get(name, name), f"{ms(r['sync_s'])} / {ms(r['pred_makespan_s'])}",
                          f"{ms(r['period_s'])} / {ms(r['pred_period_s'])}",
                          f"{r['speedup']:.3f} / {r['pred_speedup']:.3f}"
                          + (f" ({r['pred_speedup_order']:.3f})" if "pred_speedup_order" in r else ""),
-                         f"{gain / pred_gain:.0%}" if pred_gain > 0.01 else "-",  # as benchmark_interlock prints
+                         gain_cell(r["speedup"], r["pred_speedup"]),
                          " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_sync"], r["pred_bubble_sync"])),
                          " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
                                                                          r["pred_bubble_interlocked"])),
                          f"{within:.1f}"])
             if "speedup_paired" in r:  # the median of the rounds' speed-ups, each round's two runs seconds apart
                 lo, hi = r["speedup_quartiles"]
-                paired_gain = r["pred_speedup_paired"] - 1
                 rows[-1][5:5] = [f"{r['speedup_paired']:.3f} ({lo:.3f}-{hi:.3f}) / {r['pred_speedup_paired']:.3f}",
-                                 f"{(r['speedup_paired'] - 1) / paired_gain:.0%}" if paired_gain > 0.01 else "-",
+                                 gain_cell(r["speedup_paired"], r["pred_speedup_paired"]),
                                  "{:.3f} ({:.3f}-{:.3f})".format(*r["meas_over_pred_paired"])
                                  if "meas_over_pred_paired" in r else "-"]
             if "replay_period_s" in r:

@@ -303,13 +303,13 @@ def _p2p_costs(spec, ranks, name, mode, i, ping_pong, messages):
     return (ping_pong if traced is None else traced), cpu
 
 
-def _step_costs(ranks, name, mode, i, k, validation=None):
+def _step_costs(ranks, name, mode, i, runs, validation=None):
     """{rank: seconds of its step, per step} as traced in run `mode` of round i: its ReduceGrads and OptimizerStep
     (a speculating rank validates inside the latter, a redone step's rollback included). With validation 'wait' a
     pair (before the norm, after): the step is taken in the validation at the next stream's start, once the norm
-    is in (ValidateStep less NormWait). Per run of a step's stream: a replayed step's two runs take one each."""
+    is in (ValidateStep less NormWait). Per run of a step's stream (`runs` of them: a replayed step's two runs
+    take one each)."""
     costs = {}
-    runs = k + len(_replayed(ranks, name, mode, i))
     for rank, r in enumerate(ranks):
         other = r["runs"][name][mode][i]["other"]
         per_step = lambda names: sum(e - s for n, s, e, _ in other if n in names) / runs  # noqa: E731
@@ -336,12 +336,13 @@ def _predict(spec, ranks, name, mode, i, timeline, latency, args, messages, repl
     k = args.iterations
     p2p = [r["runs"][name][mode][i]["p2p"] for r in ranks]
     traced_latency, cpu = _p2p_costs(spec, ranks, name, mode, i, latency, messages)
+    replayed = _replayed(ranks, name, mode, i)
     return simulate(spec.factory, args.stages, timeline.meta["micro_batches"], placement=spec.placement,
                     costs=(replayed_costs if replay else measured_costs)(timeline), latency=traced_latency,
                     p2p_cpu=cpu,
                     dispatch=measured_dispatch(timeline, p2p), iterations=k,
-                    step_cost=_step_costs(ranks, name, mode, i, k, validation), validation=validation,
-                    replayed=_replayed(ranks, name, mode, i))
+                    step_cost=_step_costs(ranks, name, mode, i, k + len(replayed), validation),
+                    validation=validation, replayed=replayed)
 
 
 def analyse(ranks, args, m):
