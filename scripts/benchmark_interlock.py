@@ -285,7 +285,7 @@ def contention(passes_by_mode):
             durations.setdefault((r, kind, chunk), []).append(d)
         means[mode] = {key: statistics.fmean(v) for key, v in durations.items()}
     sync, inter = means["sync"], means["interlocked"]
-    shared = set(sync) & set(inter)
+    shared = sorted(set(sync) & set(inter))  # in one order: the sums are the same in every process
     measured = sum(inter[key] for key in shared) / sum(sync[key] for key in shared) if shared else None
     return {"overlap": overlap, "cost_ratio_measured": measured}
 
