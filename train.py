@@ -92,7 +92,8 @@ def parse_args(argv=None):
            help="pipeline steps run back to back per call (engine.train_batches): each stage steps and goes on "
                 "without waiting for the others; clipping post-validated. 1 = one step per call")
     p.flag("--post-validation", default="auto", choices=["auto", "ahead", "wait", "speculate"],
-           help="with --interlock and clipping: a stage whose own norm does not clip steps before the model's norm "
+           help="with --interlock (ZeRO 0 and 1, fp32 and bf16; at ZeRO 0 in fp32 with clipping on): a stage whose "
+                "own norm does not clip steps before the model's norm "
                 "arrives (ahead: a backup, a rollback if the norm clips) or waits for it (wait); speculate: ahead, "
                 "and the next step's passes run before the norm arrives (a step that clips is redone and the next "
                 "one replayed: pays where clipping rarely bites); auto: ahead where the rank measured the norm's "

@@ -19,6 +19,7 @@ a missing file leaves its section saying how to produce it):
     peers-gptlite.json  the same on GPTlite (--model gptlite)
     interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
     interlock-timed-p4.json, interlock-timed-p8.json  the same at p = 4 and 8, passes of set times (--pass-ms)
+    interlock-timed-p4-zero1.json  the same at p = 4 with DeepSpeed's ZeRO-1 optimizer (--zero 1)
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -893,7 +894,7 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
           "peers.json", "peers-gptlite.json", "interlock.json", "interlock-clipping-off.json",
-          "interlock-timed-p4.json", "interlock-timed-p8.json")
+          "interlock-timed-p4.json", "interlock-timed-p8.json", "interlock-timed-p4-zero1.json")
 
 
 def gain_cell(measured, predicted):
@@ -925,7 +926,7 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
     out = [title, para(
         f"`engine.train_batches(iterations={args['iterations']})` (`train.py --interlock K`) against the same "
         f"schedule's steps with a barrier before each, {args['stages']} ranks, {interlock_model(args)}, "
-        f"micro-batches of {args['micro_batch_size']}, ZeRO 0, "
+        f"micro-batches of {args['micro_batch_size']}, ZeRO {args.get('zero', 0)}, "
         f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
         "rank ("
         + ("the mean over steps 2 to K-1, the steps the interlocked period spans" if doc.get("sync_measure") == "mean"
@@ -1097,6 +1098,9 @@ def render(bench_dir=BENCH_DIR) -> str:
         if f"interlock-timed-p{p}.json" in docs:
             parts.append(interlock_section(docs[f"interlock-timed-p{p}.json"], f"## Interlocked steps at p = {p}, "
                                            "passes of set times", f"interlock-timed-p{p}.json"))
+    if "interlock-timed-p4-zero1.json" in docs:
+        parts.append(interlock_section(docs["interlock-timed-p4-zero1.json"], "## Interlocked steps at p = 4, ZeRO 1, "
+                                       "passes of set times", "interlock-timed-p4-zero1.json"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

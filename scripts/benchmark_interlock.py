@@ -11,8 +11,8 @@ weight gradient sleep F, B and W ms around their (small, real) arithmetic. The r
 so more stages than the machine has cores run as they would on a device each, with pass costs that are set rather
 than drifting: what the engine makes of the interlocked order, at p where the order's gain is large.
 
-For each micro-batch count, ONE launch of p ranks (one thread each) builds an engine per schedule (ZeRO 0,
-fp32, fused AdamW) and runs, in rounds with the order rotating:
+For each micro-batch count, ONE launch of p ranks (one thread each) builds an engine per schedule (ZeRO 0, or
+`--zero 1`; fp32, fused AdamW) and runs, in rounds with the order rotating:
 - `sync`: K steps, a barrier before each (what a synchronising step end does: every stage starts together);
 - `interlocked`: one `train_batches(iterations=K)` call, clipping off (nothing to validate);
 - `clipped-ahead`, `clipped-wait`, `clipped-auto`, `clipped-speculate` (schedules whose engine post-validates):
@@ -74,6 +74,9 @@ def parse_args(argv=None):
                         "(deep_model.TimedBlock)")
     p.add_argument("--iterations", type=int, default=6, help="steps per interlocked call (K)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="ZeRO stage: at 1 the step is DeepSpeed's ZeRO-1 optimizer's, whose norm is validated even "
+                        "with clipping off (it skips a non-finite step)")
     p.add_argument("--clipping-off", action="store_true",
                    help="only the synchronised and interlocked runs (clipping off): many rounds cheaply, for a "
                         "speed-up paired round by round (docs/bench/interlock[-timed-pP]-clipping-off.json)")
@@ -96,7 +99,7 @@ def build_engine(name, args, m):
                                  pass_seconds=seconds)
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
-           "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+           "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9}
     engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
                                       trace=True)
     return engine
@@ -142,8 +145,8 @@ def worker(args):
                 clipped = mode in CLIPPED
                 threshold = NEVER if mode.startswith("never-") else thresholds.get(name, 0.0)
                 engine._config.gradient_clipping = threshold if clipped else 0.0
-                if clipped:
-                    engine.post_validation = mode.split("-")[1]
+                if hasattr(engine, "post_validation"):  # (clipping off, only a ZeRO-1 step validates: auto)
+                    engine.post_validation = mode.split("-")[1] if clipped else "auto"
                 tracer = engine.tracer
                 tracer.start_iteration(0)
                 tracer.passes, tracer.p2p, tracer.other = [], [], []
@@ -206,7 +209,7 @@ def launch_worker(args, m):
     out = tempfile.mkdtemp(prefix="interlock-")
     flags = ["--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules", *args.schedules,
              "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
-             args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds]
+             args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds, "--zero", args.zero]
     if args.pass_ms:
         flags += ["--pass-ms", *args.pass_ms]
     if args.clipping_off:
@@ -531,9 +534,9 @@ def table(res, m):
 
 def published_name(args):
     """The docs/bench file a run publishes: interlock (p = 2, real compute), interlock-timed-pP (passes of set
-    times), with -clipping-off for the paired runs of clipping off only."""
+    times), with -zero1 at ZeRO 1 and -clipping-off for the paired runs of clipping off only."""
     name = f"interlock-timed-p{args.stages}" if args.pass_ms else "interlock"
-    return name + ("-clipping-off" if args.clipping_off else "")
+    return name + ("-zero1" if args.zero else "") + ("-clipping-off" if args.clipping_off else "")
 
 
 def main(argv=None):

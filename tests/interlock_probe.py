@@ -3,10 +3,15 @@
     python tests/interlock_probe.py STEPS MICRO_BATCHES SCHEDULE:SCENARIO ...
     PROBE_DP=2 python tests/interlock_probe.py ...    # the ranks as 2 data-parallel replicas of the pipeline
     PROBE_PASS_MS=5 python tests/interlock_probe.py ... # blocks whose F, B and W passes take 5 ms each (TimedBlock)
+    PROBE_OPTIMIZER=zero1 python tests/interlock_probe.py ...  # DeepSpeed's optimizers, the synchronised engine
+                                                        # stepping with DeepSpeed's own step: zero1 (fp32, its ZeRO
+                                                        # optimizer), bf16-zero1 (its BF16 optimizer, fp32 gradients:
+                                                        # train.py --bf16), bf16 (the same at ZeRO 0, bf16 gradients)
 
 SCENARIO: `off` (no clipping), `never` (clipping on, threshold far above every norm), `bites` (threshold
 between the global norms the steps have: some steps clip), `nan` (clipping on, an infinite gradient
-injected on the last stage at step 2). POLICY (after a second colon) is the post-validation policy, "ahead"
+injected on the last stage at step 2), `nan-unclipped` (the same with clipping off: in bf16 the norm still skips
+the step). POLICY (after a second colon) is the post-validation policy, "ahead"
 unless named; `auto-alternate` is `auto` with a vote that speculates past every other step (the switches both
 ways, on every rank alike, whatever the timings). For each, two engines built from the same seed train the same
 micro-batches with SGD and momentum (so optimizer state is rolled back too): one a `train_batch` per step
@@ -30,6 +35,8 @@ INJECT_AT = 2
 
 
 PASS_MS = float(os.environ.get("PROBE_PASS_MS", "0"))
+OPTIMIZER = os.environ.get("PROBE_OPTIMIZER", "")  # "" (torch's, ZeRO 0 in fp32), "zero1", "bf16-zero1", "bf16"
+BF16 = OPTIMIZER.startswith("bf16")
 
 
 def engine(schedule, stages, m, clip):
@@ -40,6 +47,10 @@ def engine(schedule, stages, m, clip):
     params = [p for p in model.parameters() if p.requires_grad]
     cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": clip,
            "steps_per_print": 10**9, "zero_optimization": {"stage": 0}}
+    if OPTIMIZER:
+        cfg.update(zero_optimization={"stage": 0 if OPTIMIZER == "bf16" else 1}, zero_allow_untested_optimizer=True)
+    if BF16:  # DeepSpeed builds its BF16 optimizer at ZeRO 1 for fp32 gradients, at ZeRO 0 for bf16 ones
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "bf16" if OPTIMIZER == "bf16" else "fp32"})
     eng, *_ = schedules.initialize(schedule, model=model, optimizer=torch.optim.SGD(params, lr=0.3, momentum=0.9),
                                    model_parameters=params, config=cfg)
     return eng
@@ -51,7 +62,12 @@ def inject(eng):
 
     def hooked(lr_kwargs):
         if eng.global_steps == INJECT_AT and eng.is_last_stage():
-            next(p for p in eng.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+            if BF16:  # the fp32 gradients the BF16 optimizer accumulated
+                eng.optimizer.fp32_groups_gradients_flat[0].view(-1)[0] = float("inf")
+            elif OPTIMIZER:  # this rank's partition of the reduced gradients
+                eng.optimizer.averaged_gradients[0][0].view(-1)[0] = float("inf")
+            else:
+                next(p for p in eng.module.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
         return take(lr_kwargs)
     eng._take_model_step = hooked
 
@@ -62,7 +78,8 @@ DP = int(os.environ.get("PROBE_DP", "1"))
 def batches(steps, m):
     """This replica's micro-batches (each replica its own, so that the losses averaged over replicas differ)."""
     replica = dist.get_rank() % DP  # DeepSpeed's topology: rank = stage x dp + replica
-    return [deep_model.synthetic_micro_batch(replica * 1000 + i, MBS, WIDTH, 0) for i in range(steps * m)]
+    made = [deep_model.synthetic_micro_batch(replica * 1000 + i, MBS, WIDTH, 0) for i in range(steps * m)]
+    return [(x.bfloat16(), y.bfloat16()) for x, y in made] if BF16 else made
 
 
 def norms(schedule, stages, steps, m):
@@ -83,16 +100,18 @@ def main(steps, m, cases):
     report = {"rank": dist.get_rank(), "cases": {}}
     for case in cases:
         schedule, scenario, *policy = case.split(":")  # policy: the post-validation policy, "ahead" unless named
-        clip = {"off": 0.0, "never": 1e9, "nan": 1e9}.get(scenario)
+        clip = {"off": 0.0, "never": 1e9, "nan": 1e9, "nan-unclipped": 0.0}.get(scenario)
         if scenario == "bites":
             seen = sorted(norms(schedule, stages, steps, m))
             clip = (seen[len(seen) // 2 - 1] + seen[len(seen) // 2]) / 2  # between two steps' norms: half clip
         sync, inter = engine(schedule, stages, m, clip), engine(schedule, stages, m, clip)
+        if OPTIMIZER:  # against DeepSpeed's own step, whose norm's all-reduce blocks
+            sync._step_target = None
         inter.post_validation = policy[0] if policy else "ahead"
         if inter.post_validation == "auto-alternate":
             inter.post_validation = "auto"
             inter._vote().rule = lambda vote: vote.validated % 2 == 0  # every rank has validated as many steps
-        if scenario == "nan":
+        if scenario.startswith("nan"):
             inject(sync)
             inject(inter)
         data = iter(batches(steps, m))
@@ -103,7 +122,7 @@ def main(steps, m, cases):
         report["cases"][case] = {"clip": clip, "max_diff": diff, "finite": finite, "sync_losses": sync_losses,
                                  "losses": inter_losses, "rollbacks": inter.rollbacks, "deferred": inter.deferred,
                                  "waited": inter.waited,
-                                 "skipped": inter.skipped, "sync_skipped": sync.skipped,
+                                 "skipped": inter.skipped, "sync_skipped": sync.skipped_steps,
                                  "validations": inter.validations, "replays": inter.replays,
                                  "speculated": inter.speculated,
                                  "pending": inter._pending is not None}

@@ -84,3 +84,5 @@ def test_a_run_publishes_where_its_kind_of_run_belongs():
     assert bench.published_name(bench.parse_args(["--clipping-off"])) == "interlock-clipping-off"
     assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1"])) == \
         "interlock-timed-p4"
+    assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1", "--zero", "1"])) == \
+        "interlock-timed-p4-zero1"

@@ -124,43 +124,57 @@ def test_interlock_refused_where_the_step_cannot_be_post_validated(flags, expect
 STEPS = 4
 
 
-def _probe(nprocs, steps, m, cases, dp=1, pass_ms=0):
+def _probe(nprocs, steps, m, cases, dp=1, pass_ms=0, optimizer=""):
     run = launch(nprocs, [steps, m, *cases], script="tests/interlock_probe.py", timeout=240,
-                 env={"PROBE_DP": str(dp), "PROBE_PASS_MS": str(pass_ms)})
+                 env={"PROBE_DP": str(dp), "PROBE_PASS_MS": str(pass_ms), "PROBE_OPTIMIZER": optimizer})
     assert run.ok, run.explain()
     return [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["cases"]
             for out in run.stdout]
 
 
-def _assert_interlocked_equals_synchronised(ranks, case):
+def _assert_interlocked_equals_synchronised(ranks, case, bitwise=False):
     for rank in ranks:
         r = rank[case]
-        assert r["max_diff"] < 1e-5 and r["finite"], (case, r)
+        assert (r["max_diff"] == 0 if bitwise else r["max_diff"] < 1e-5) and r["finite"], (case, r)
         assert r["losses"] == pytest.approx(r["sync_losses"], abs=1e-6), (case, r)
         assert not r["pending"], case
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("p, dp, m, cases", [
-    (2, 1, 4, ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto",
-               "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate",
-               "dualpipe:bites:speculate", "interleaved:bites:speculate", "1f1b-lean:bites:speculate",
-               "zb-h2:bites:auto-alternate", "zb-v:nan:auto-alternate"]),
-    (4, 1, 8, ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate", "zb-v:bites:auto-alternate"]),
-    (2, 2, 4, ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate",  # 2 data-parallel replicas of a 2-stage pipeline
-               "zb-h1:nan:auto-alternate"]),
-], ids=["pp2", "pp4", "pp2xdp2"])
-def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
+@pytest.mark.parametrize("p, dp, m, optimizer, cases", [
+    (2, 1, 4, "", ["zb-h2:bites", "zb-h2:nan", "zb-v:never", "zb-h2:bites:wait", "zb-v:bites:auto",
+                   "zb-h2:bites:speculate", "zb-v:nan:speculate", "zb-h2:never:speculate",
+                   "dualpipe:bites:speculate", "interleaved:bites:speculate", "1f1b-lean:bites:speculate",
+                   "zb-h2:bites:auto-alternate", "zb-v:nan:auto-alternate"]),
+    (4, 1, 8, "", ["zb-h2:bites", "zb-v:nan", "zb-v:bites:speculate", "zb-v:bites:auto-alternate"]),
+    (2, 2, 4, "", ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate",  # 2 data-parallel replicas of 2 stages
+                   "zb-h1:nan:auto-alternate"]),
+    (2, 1, 4, "bf16", ["zb-h2:bites", "zb-h2:nan", "zb-h2:nan-unclipped", "zb-h2:bites:wait",
+                       "zb-v:bites:speculate", "zb-v:nan-unclipped:speculate", "dualpipe:bites:speculate",
+                       "zb-h2:bites:auto-alternate"]),
+    (4, 1, 8, "bf16-zero1", ["zb-v:bites", "zb-h2:bites:speculate"]),
+    (2, 2, 4, "bf16-zero1", ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate",
+                             "zb-h2:nan-unclipped:auto-alternate", "zb-h2:bites:auto"]),
+    (2, 1, 4, "zero1", ["zb-h2:bites", "zb-h2:nan", "zb-h2:nan-unclipped", "zb-h2:bites:wait", "zb-v:bites:speculate",
+                        "zb-v:nan:speculate", "interleaved:bites:speculate", "zb-h2:bites:auto-alternate"]),
+    (2, 2, 4, "zero1", ["zb-h1:bites", "zb-v:nan", "zb-h1:bites:speculate", "zb-h1:nan:auto-alternate",
+                        "zb-h2:bites:auto"]),
+], ids=["pp2", "pp4", "pp2xdp2", "pp2-bf16", "pp4-bf16-zero1", "pp2xdp2-bf16-zero1", "pp2-zero1", "pp2xdp2-zero1"])
+def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, optimizer, cases):
     """Weights and losses equal step for step; where clipping bites, a stage that stepped on its own norm
     rolled back and redid the step (counted), and one whose own norm already clipped waited; the infinite
     gradient of one stage skipped that step on every stage, in both runs. Speculating past the validation,
     the step after one that was redone or skipped ran again from its start, on every rank alike. With two
     data-parallel replicas (each its own data) the losses are the replicas' average, as DeepSpeed's
-    synchronised step returns it."""
-    ranks = _probe(p * dp, STEPS, m, cases, dp=dp)
+    synchronised step returns it. With DeepSpeed's optimizers (its BF16 optimizer: bf16 gradients at ZeRO 0,
+    fp32 ones at ZeRO 1; its ZeRO-1 optimizer in fp32; at ZeRO 1 the fp32 weights are partitioned over the
+    replicas) the synchronised run is DeepSpeed's own step, and the weights equal it to the bit; in bf16 with
+    clipping on or off (an infinite gradient skips the step either way). With two replicas `auto` steps ahead on
+    every rank there (the step all-gathers over them)."""
+    ranks = _probe(p * dp, STEPS, m, cases, dp=dp, optimizer=optimizer)
     for case in cases:
-        _assert_interlocked_equals_synchronised(ranks, case)
+        _assert_interlocked_equals_synchronised(ranks, case, bitwise=bool(optimizer))
         assert all(r[case]["sync_losses"] == ranks[0][case]["sync_losses"] for r in ranks), case  # one average
         scenario, *policy = case.split(":")[1:]
         replays = {r[case]["replays"] for r in ranks}
@@ -168,7 +182,7 @@ def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
         speculated = {r[case]["speculated"] for r in ranks}
         assert len(speculated) == 1, (case, speculated)  # every rank speculated past the same steps
         if policy == ["speculate"]:  # a step whose validation redid the one before ran again, on every rank
-            assert replays.pop() > 0 if scenario in ("bites", "nan") else replays.pop() == 0, case
+            assert replays.pop() > 0 if scenario in ("bites", "nan", "nan-unclipped") else replays.pop() == 0, case
             assert speculated.pop() > 0
         elif policy == ["auto-alternate"]:  # auto speculated past every other step, and some were redone
             assert replays.pop() > 0 and speculated.pop() == STEPS // 2, (case, ranks[0][case])
@@ -183,7 +197,7 @@ def test_interlocked_steps_train_what_synchronised_steps_train(p, dp, m, cases):
         if scenario == "never":
             assert all(r[case]["rollbacks"] == r[case]["deferred"] == 0 and r[case]["validations"] == STEPS
                        for r in ranks)
-        if scenario == "nan":
+        if scenario.startswith("nan"):
             assert all(r[case]["skipped"] == r[case]["sync_skipped"] == 1 for r in ranks), case
             assert sum(r[case]["rollbacks"] for r in ranks) > 0, case  # stages with finite gradients had stepped
 
@@ -217,12 +231,12 @@ def test_train_py_interlock_matches_the_non_pipelined_model(ranks, schedule, pol
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_train_py_interlock_with_deepspeeds_own_step_at_zero_1(precision, sgd_config, references, tmp_path):
-    """ZeRO 1 (fp32 or bf16) with clipping biting: DeepSpeed's own optimizer step all-reduces the model's norm
-    before it updates, so an interlocked stage waits there for it and nothing is rolled back. Both steps in one
-    interlocked call train what one step per call trains, to the bit; in fp32 that is the non-pipelined model."""
-    flags = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v"]
+@pytest.mark.parametrize("precision, policy", [("fp32", "speculate"), ("bf16", "auto"), ("bf16", "speculate")])
+def test_train_py_interlock_at_zero_1(precision, policy, sgd_config, references, tmp_path):
+    """ZeRO 1, clipping biting: the step of DeepSpeed's ZeRO-1 optimizer (fp32) or of its BF16 optimizer (`--bf16`:
+    fp32 gradient accumulation) post-validated, speculating past it or not. Both steps in one interlocked call
+    train what one step per call trains, to the bit; in fp32 that is the non-pipelined model."""
+    flags = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--post-validation", policy]
     flags += ["--bf16"] if precision == "bf16" else []
     config = sgd_config(zero=1, clip=0.05)
     interlocked = train(tmp_path / "k2", 2, flags + ["--interlock", "2"], config, 4, model=TINY_CHUNKED)

@@ -8,6 +8,7 @@
     lean_step.py       the step end that synchronises no stages (ZeRO 0): local ReduceGrads, early loss
     interlock.py       train_batches: steps back to back, the optimizer step post-validated
     validation_policy.py  when a post-validated step goes ahead of the model's norm, and past it
+    step_targets.py    what a post-validated step does to each optimizer (torch's, DeepSpeed's BF16 and ZeRO-1)
     receive_ahead.py   receives posted ahead per channel, in the order of the step's instructions
     messages.py        what passes between stages: one tensor or a tuple, its shapes, its gradients
     pipe_module.py     LayerPipe: block-aligned activation checkpointing, balanced partitions

@@ -3,7 +3,7 @@
 `engine.train_batches(data_iter, iterations=k)` runs k steps (each `gradient_accumulation_steps`
 micro-batches) and returns their k losses. Between two steps a rank waits for nobody: its last
 passes, its step, then the next step's first passes, while the other stages still finish theirs.
-With our engines' lean step end (lean_step.py: ZeRO 0) nothing else synchronises the stages:
+With our engines' lean step end (lean_step.py) nothing else synchronises the stages:
 ReduceGrads is local (with several data-parallel replicas it brings together the replicas of the
 same stage only), and the loss travels from the last stage as soon as its last forward has it.
 
@@ -33,6 +33,11 @@ it off the critical path:
   (`skipped_steps`, no learning-rate step), as DeepSpeed's overflow check skips a step. The
   gradients are released and the learning-rate schedule steps only then.
 
+What the step does to the optimizer (its norm, backup and restore, clipped step, gradients set aside) is
+step_targets.py's, per optimizer: torch's at ZeRO 0 in fp32 (with clipping on), DeepSpeed's BF16 optimizer
+and its ZeRO-1 optimizer in fp32 (clipping on or off: their norm also skips a non-finite step). Elsewhere
+DeepSpeed's own step runs.
+
 Exactness costs overlap: a rank may not use its new parameters before every stage's norm of the
 step exists, and the stage whose head of step i+1 overlaps the others' tail of step i (the first
 stage on ZB-H2, ZB-V) therefore waits for the last stage to finish step i. With clipping on, that
@@ -49,9 +54,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zero0_fp32
+from schedules.runtime.step_targets import step_target
 from schedules.runtime.validation_policy import POLICIES, AheadPolicy, SpeculationVote  # noqa: F401 (re-exported)
-from schedules.runtime.weight_grad import keep_spare_grads
 
 
 class StepBackup:
@@ -115,7 +119,7 @@ class _Pending:
         self.work, self.squares, self.stepped, self.lr_kwargs = work, squares, stepped, lr_kwargs
         self.started = started  # perf_counter() when the norm's all-reduce was started
         self.waits = waits      # could have stepped ahead, but the policy waits for the norm
-        self.grads = None       # speculating: [(parameter, its gradient of the step)], set aside
+        self.grads = None       # speculating: the step's gradients, set aside (what the step target returned)
         self.vote = None        # auto: (all-reduce work, the summed ballots) of SpeculationVote
 
 
@@ -163,13 +167,19 @@ class Interlock:
     post_validation = "auto"  # "auto", "ahead", "wait" or "speculate" (validation_policy.py)
 
     def post_validates(self):
-        """Whether this engine's step is the lean, validated one: ZeRO 0, fp32, clipping on (with clipping off
-        there is nothing to validate). With several data-parallel replicas every replica's stages hold the
-        reduced gradients, so each replica's pipeline finds the same norm and takes the same decision. Otherwise
-        (ZeRO 1, bf16) DeepSpeed's own step runs, interlocked or not: its optimizer all-reduces the model's norm
-        before it updates, so an interlocked stage waits there for it and has nothing to roll back."""
-        return (self.gradient_clipping() > 0 and zero0_fp32(self) and not self.has_moe_layers
-                and not self.torch_autocast_z0_gradscaler)
+        """Whether this engine's step is the validated one (step_targets.py): ZeRO 0 in fp32 with clipping on (with
+        clipping off there is nothing to validate), DeepSpeed's BF16 optimizer or its ZeRO-1 optimizer in fp32
+        (whose norm also decides whether a step is skipped). With several data-parallel replicas every replica's
+        stages hold the reduced gradients (or their partitions, whose norms the replicas sum), so each replica's
+        pipeline finds the same norm and takes the same decision. Otherwise (fp16, offload, ...) DeepSpeed's own
+        step runs, interlocked or not: its optimizer all-reduces the model's norm before it updates, so an
+        interlocked stage waits there for it and has nothing to roll back."""
+        return self._target() is not None
+
+    def _target(self):
+        if not hasattr(self, '_step_target'):
+            self._step_target = step_target(self)
+        return self._step_target
 
     def train_batches(self, data_iter=None, iterations=1):
         """`iterations` training steps back to back: [loss of each step], as `train_batch` returns it. When it
@@ -258,20 +268,21 @@ class Interlock:
         if not self.post_validates():
             return super()._take_model_step(lr_kwargs)
         self._vote().step_at(time.perf_counter())
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        squares = squared_grad_norm(params)
-        local_ok = bool(torch.isfinite(squares)) and self._coefficient(squares) >= 1.0
-        group = self.grid.get_pipe_parallel_group()
-        work = dist.all_reduce(squares, group=group, async_op=True) if dist.get_world_size(group=group) > 1 else None
+        target = self._target()
+        squares = target.local_squares()
+        local_ok = bool(torch.isfinite(squares).all()) and target.coefficient(squares) >= 1.0
+        group = target.group()
+        reduced = group is not None and dist.get_world_size(group=group) > 1
+        work = dist.all_reduce(squares, group=group, async_op=True) if reduced else None
         started, stepped = time.perf_counter(), False
         speculate = self._speculates_past_this_step()
-        if self._interlocking and local_ok and (speculate or self._ahead_policy().steps_ahead()):  # norm later
+        if self._interlocking and local_ok and (speculate or self._steps_ahead()):  # norm later
             if not hasattr(self, '_step_backup'):
                 self._step_backup = StepBackup()
             t0 = time.perf_counter()
-            self._step_backup.save(params, self.optimizer)
+            target.save(self._step_backup)
             self._ahead_policy().backed_up(time.perf_counter() - t0, work is None or work.is_completed())
-            self.optimizer.step()
+            target.step()
             stepped = True
         elif self._interlocking and local_ok:
             self.waited += 1
@@ -284,9 +295,7 @@ class Interlock:
             self._pending.vote = (dist.all_reduce(ballot, async_op=True), ballot)
         if speculate:  # the next step's passes accumulate afresh; these wait for the validation
             self.speculated += 1
-            self._pending.grads = [(p, p.grad) for p in params]
-            for p in params:
-                p.grad = None
+            self._pending.grads = target.set_aside()
         if not self._interlocking:
             self._validate_step()  # synchronised: wait for the norm now, then step
         self.losses = None
@@ -298,8 +307,13 @@ class Interlock:
             self._norm_policy = AheadPolicy(self.post_validation)
         return self._norm_policy
 
-    def _coefficient(self, squares):
-        return clip_coefficient(self.gradient_clipping(), squares.sqrt())
+    def _steps_ahead(self):
+        """Whether a rank whose own norm does not clip steps before the model's norm arrives. Where the step has a
+        collective over data-parallel replicas (bf16's all-gather of the updated partitions), every replica of a
+        stage must take its steps alike, so `auto` steps ahead there rather than by each rank's own timings."""
+        if self.post_validation == "auto" and self._target().steps_over_replicas:
+            return True
+        return self._ahead_policy().steps_ahead()
 
     def _settle_before_stream(self):
         """Before an instruction stream uses the parameters: settle a pending step, unless speculating past it."""
@@ -334,23 +348,20 @@ class Interlock:
             pending.vote[0].wait()
             self._vote().counted(pending.vote[1])
         self._norm_wait_s = time.perf_counter() - wait_started
-        squares = pending.squares
-        self._global_grad_norm = squares.sqrt()
-        finite = bool(torch.isfinite(squares))
-        coef = self._coefficient(squares) if finite else 0.0
+        squares, target = pending.squares, self._target()
+        self._global_grad_norm = target.norm(squares)
+        finite = bool(torch.isfinite(squares).all())
+        coef = target.coefficient(squares) if finite else 0.0
         self._vote().validated_step(not finite or coef < 1.0)  # the model's verdict: every rank alike
         redo = not (pending.stepped and finite and coef >= 1.0)
         if pending.grads is not None:  # speculated past: the step's gradients were set aside
             if redo:  # back in place of the later passes' (which ran on the wrong parameters)
-                for p in self.module.parameters():
-                    p.grad = None
-                for p, grad in pending.grads:
-                    p.grad = grad
+                target.bring_back(pending.grads)
             else:  # not needed again: a later step's gradients may be written into them
-                keep_spare_grads(pending.grads)
+                target.release(pending.grads)
         if pending.stepped and redo:
             r0 = tracer.now() if traced else None
-            self._step_backup.restore(self.optimizer)
+            target.restore(self._step_backup)
             self.rollbacks += 1
             if traced:
                 tracer.record_other('Rollback', r0, tracer.now())
@@ -359,12 +370,10 @@ class Interlock:
             self.skipped += 1
             self.skipped_steps += 1
         elif redo:  # not taken yet, or rolled back above: step with the global norm
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in self.module.parameters() if p.grad is not None], coef)
-            self.optimizer.step()
+            target.step(squares)
         self.validations += 1
-        if pending.grads is None or redo:  # (speculated past and kept: .grad holds the next step's gradients)
-            self.zero_grad()
+        if pending.grads is None or redo:  # (speculated past and kept: the gradients are the next step's)
+            target.clear()
         if finite and self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step(**(pending.lr_kwargs or {}))
