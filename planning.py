@@ -104,6 +104,18 @@ def measure(args, cfg, batch_of, repeats=7):
     return profile
 
 
+def validation_model(args, cfg):
+    """How the chooser's simulator validates an interlocked step (simulate(validation=...)): None where nothing
+    is validated (ZeRO 0 in fp32 with clipping off) or the policy speculates past it; 'ahead' where it steps
+    ahead; 'wait' for `wait`, and for `auto`, which waits where a backup costs more than the wait (as on CPUs)."""
+    clip = cfg.get("gradient_clipping", 1.0)  # DeepSpeed's default clips at 1.0
+    validated = clip or cfg.get("zero_optimization", {}).get("stage", 0) or cfg.get("bf16", {}).get("enabled")
+    policy = getattr(args, "post_validation", "auto")
+    if not validated or policy == "speculate":
+        return None
+    return "ahead" if policy == "ahead" else "wait"
+
+
 def plan(args, cfg, batch_of, rank, save=None):
     """Profile, choose (auto), and set the flags the model and the engine are built from. Returns the
     Choice (None for --partition-method profile alone)."""
@@ -119,7 +131,8 @@ def plan(args, cfg, batch_of, rank, save=None):
         cuts = [args.partition_method.lower()] if args.partition_method else CUTS
         try:
             choice = choose(profile, args.pipeline_parallel_size, cfg["gradient_accumulation_steps"],
-                            args.max_activation_memory, cuts=cuts)
+                            args.max_activation_memory, cuts=cuts, interlock=getattr(args, "interlock", 1),
+                            validation=validation_model(args, cfg))
         except ValueError as e:
             raise UsageError(f"--pipeline-schedule auto: {e}") from None
         pick = choice.pick

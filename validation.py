@@ -99,10 +99,9 @@ def _validate_config(cfg, pp, on_cpu, need):
 
 
 def _validate_interlock(args, cfg, need):
-    """--interlock K: steps back to back on a pipeline of our engines. With clipping, the step is post-validated
-    at ZeRO 0 in fp32 (schedules/runtime/interlock.py); at ZeRO 1 or in bf16 DeepSpeed's own optimizer step
-    all-reduces the norm before it updates (each stage waits there for the model's norm, nothing to roll back).
-    DeepSpeed's own engines synchronise every step where they clip: refused, not silently synchronised."""
+    """--interlock K: steps back to back on a pipeline of our engines, the step post-validated (ZeRO 0 and 1, fp32
+    and bf16: schedules/runtime/interlock.py, step_targets.py). DeepSpeed's own engines synchronise every step
+    where they clip: refused, not silently synchronised."""
     k, pp = args.interlock, args.pipeline_parallel_size
     need(k >= 1, f"--interlock {k} is below 1: pass --interlock K with K >= 1 (1: one step per call)")
     if k == 1:

@@ -144,7 +144,7 @@ def worker(args):
             for mode in paired + modes[name][2:]:
                 clipped = mode in CLIPPED
                 threshold = NEVER if mode.startswith("never-") else thresholds.get(name, 0.0)
-                engine._config.gradient_clipping = threshold if clipped else 0.0
+                set_clipping(engine, threshold if clipped else 0.0)
                 if hasattr(engine, "post_validation"):  # (clipping off, only a ZeRO-1 step validates: auto)
                     engine.post_validation = mode.split("-")[1] if clipped else "auto"
                 tracer = engine.tracer
@@ -189,15 +189,23 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def set_clipping(engine, threshold):
+    """Clip at `threshold` from the next step on: the engine's config, and DeepSpeed's ZeRO and BF16 optimizers'
+    own copy of it (`clip_grad`, taken from the config when they were built)."""
+    engine._config.gradient_clipping = threshold
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = threshold
+
+
 def _median_norm(engine, batches, m, k):
     """The median global gradient norm of K synchronised steps (clipping far above it): the threshold at which
     about half the steps clip."""
-    engine._config.gradient_clipping = 1e30
+    set_clipping(engine, 1e30)
     norms = []
     for s in range(k):
         engine.train_batch(iter(batches[s * m:(s + 1) * m]))
         norms.append(float(engine._global_grad_norm))
-    engine._config.gradient_clipping = 0.0
+    set_clipping(engine, 0.0)
     return statistics.median(norms)
 
 

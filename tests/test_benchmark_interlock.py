@@ -86,3 +86,14 @@ def test_a_run_publishes_where_its_kind_of_run_belongs():
         "interlock-timed-p4"
     assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1", "--zero", "1"])) == \
         "interlock-timed-p4-zero1"
+
+
+def test_clipping_is_set_where_deepspeeds_optimizers_read_it():
+    from types import SimpleNamespace
+    bench = script()
+    zero = SimpleNamespace(_config=SimpleNamespace(gradient_clipping=0.0), optimizer=SimpleNamespace(clip_grad=0.0))
+    bench.set_clipping(zero, 0.5)
+    assert zero._config.gradient_clipping == zero.optimizer.clip_grad == 0.5
+    torch_opt = SimpleNamespace(_config=SimpleNamespace(gradient_clipping=0.0), optimizer=SimpleNamespace())
+    bench.set_clipping(torch_opt, 0.5)
+    assert torch_opt._config.gradient_clipping == 0.5 and not hasattr(torch_opt.optimizer, "clip_grad")

@@ -31,6 +31,33 @@ def test_equal_f_b_w_unlimited_memory_picks_a_zero_bubble_v_schedule():
     assert {c.schedule for c in choice.ranked} <= set(trainable_schedules())
 
 
+def test_interlocked_candidates_are_ranked_by_the_interlocked_period():
+    """--interlock K: our engines' candidates by the simulator's period of K chained steps. Speculating past the
+    validation (or nothing to validate) ZB-H2 and ZB-V reach the busy time, 3 units a micro-batch; validating
+    before the next step costs ZB-H2 its overlap (its synchronised step again: the first stage waits for the
+    last one's norm). DeepSpeed's own engine (stock 1F1B) synchronises every step: its synchronised step."""
+    free = {c.label: c for c in choose(synthetic(), P, M, interlock=4, validation=None).ranked}
+    outside = free["zb-h2"].outside  # a stage's optimizer step, the same on every rank here
+    assert free["zb-h2"].step == pytest.approx(3 * M + outside) and free["zb-v"].step == pytest.approx(3 * M + outside)
+    assert max(free["zb-h2"].bubble) < 1e-3  # (but for its optimizer step)
+    assert free["1f1b"].step == pytest.approx(3 * M + 3 * (P - 1) + outside)  # synchronised, unchanged
+    waiting = choose(synthetic(), P, M, interlock=4, validation="wait")
+    assert {c.label: c for c in waiting.ranked}["zb-h2"].step == pytest.approx(3 * M + (P - 1) + outside)
+    assert "interlocked (4 steps per call)" in summary(waiting)
+
+
+def test_the_chooser_validates_interlocked_steps_as_the_run_will():
+    from types import SimpleNamespace
+
+    from planning import validation_model
+    run = SimpleNamespace(post_validation="auto")
+    assert validation_model(run, {"gradient_clipping": 1.0}) == "wait"
+    assert validation_model(run, {"gradient_clipping": 0.0}) is None  # ZeRO 0 in fp32: nothing to validate
+    assert validation_model(run, {"gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}) == "wait"
+    assert validation_model(SimpleNamespace(post_validation="speculate"), {}) is None
+    assert validation_model(SimpleNamespace(post_validation="ahead"), {}) == "ahead"
+
+
 def test_a_budget_of_half_1f1b_memory_picks_v_half_or_less():
     """p/2 units: only the controllable-memory V schedules fit; without them registered, one clear refusal."""
     budget = P / 2  # MiB = units here
@@ -130,9 +157,11 @@ AUTO = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "auto", "--model
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-def test_train_auto_profiles_chooses_says_why_and_trains():
+@pytest.mark.parametrize("interlock", [1, 2])
+def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
+    """With --interlock 2 the pick is ranked by the interlocked period, and says so."""
     from local_launch import launch
-    run = launch(2, AUTO + ["--steps", "2"], timeout=120)
+    run = launch(2, AUTO + ["--steps", "2", "--interlock", str(interlock)], timeout=120)
     assert run.ok, run.explain()
     out = run.stdout[0]
     rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
@@ -140,6 +169,7 @@ def test_train_auto_profiles_chooses_says_why_and_trains():
     assert rows and len(chose) == 1, out
     picked = rows[0].split()[1]
     assert chose[0].startswith(f"auto: chose {picked} ") and "profiling and choosing took" in chose[0]
+    assert ("interlocked (2 steps per call)" in chose[0]) == (interlock == 2)
     assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
 

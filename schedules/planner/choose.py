@@ -11,6 +11,13 @@ A predicted step is the simulator's synchronised step (train_batch's: every rank
 the time outside the schedule that differs between candidates: the optimizer step of the rank that
 holds the most, and the mirror placement's gradient all-reduce. What every candidate pays alike (the
 loss broadcast, gradient clipping's norm) is left out: it does not change the order.
+
+Interlocked (`interlock=K` > 1, train.py --interlock K): a schedule our engines run chains its K steps without a
+barrier (schedules/runtime/interlock.py), so its predicted step is the simulator's interlocked period of K
+chained iterations, each rank's optimizer step in its own stream (`step_cost`) and the step validated as the
+post-validation policy does (`validation`: 'wait' or 'ahead' before the next step's passes, None when
+speculating past it). That favours the schedules whose bubble only interlocking removes (ZB-H2, ZB-V).
+DeepSpeed's own engines (stock 1F1B, its DualPipeV) still synchronise every step: their synchronised step.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -58,6 +65,7 @@ class Choice:
     ranked: list  # Candidates within the budget, fastest first
     dropped: list  # Candidates over the budget, least memory first
     skipped: list  # (label, reason): what the schedule's constraints or the layer count exclude
+    interlock: int = 1  # steps per call: above 1, our engines' candidates are ranked by the interlocked period
 
     @property
     def pick(self):
@@ -72,7 +80,7 @@ def _variants(name, stages, layers):
     return [(v, schedule_spec(name, v)) for v in range(2, max(2, layers // stages) + 1)]
 
 
-def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None):
+def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None, interlock=1, validation="wait"):
     """([Candidate] simulated, [(label, reason)] excluded) for every schedule, v and distinct cut."""
     out, skipped = [], []
     n = len(profile.layers)
@@ -97,34 +105,43 @@ def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None):
                 by_parts.setdefault(tuple(parts), []).append(method)
             for parts, methods in by_parts.items():
                 try:
-                    out.append(_simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches))
+                    out.append(_simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
+                                          interlock if spec.engine is not None else 1, validation))
                 except (ValueError, ScheduleError) as e:
                     skipped.append((label, str(e).splitlines()[0]))
     return out, skipped
 
 
-def _simulated(profile, spec, v, method, parts, placement, micro_batches):
+def _simulated(profile, spec, v, method, parts, placement, micro_batches, interlock=1, validation="wait"):
     figures = compose(profile, placement, parts)
     p2p = profile.p2p
-    result = simulate(spec.factory, placement.ranks, micro_batches, placement=spec.placement,
-                      costs=figures['costs'], memory=figures['memory'],
-                      latency=p2p['latency'] + p2p['per_byte'] * figures['message_bytes'],
-                      p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch, iterations=1)
+    common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],
+                  latency=p2p['latency'] + p2p['per_byte'] * figures['message_bytes'],
+                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch)
+    result = simulate(spec.factory, placement.ranks, micro_batches, iterations=1, **common)
     outside = max(figures['outside'])
-    return Candidate(spec.name, v, method, parts, result.makespan + outside, result.makespan, outside,
-                     [row['idle_synced'] / result.makespan for row in result.per_rank],
+    bubble = [row['idle_synced'] / result.makespan for row in result.per_rank]
+    step = result.makespan + outside
+    if interlock > 1:  # chained: each rank's step in its own stream, validated as the policy does
+        chained = simulate(spec.factory, placement.ranks, micro_batches, iterations=max(3, interlock),
+                           step_cost=dict(enumerate(figures['outside'])), validation=validation, **common)
+        step = chained.period
+        bubble = [row['idle_interlocked'] / chained.period for row in chained.per_rank]
+    return Candidate(spec.name, v, method, parts, step, result.makespan, outside, bubble,
                      [row['peak_activation_memory'] for row in result.per_rank], figures['params'])
 
 
-def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None):
+def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None, interlock=1,
+           validation="wait"):
     """The ranked Choice for `stages` pipeline ranks and `micro_batches` per step; `max_activation_memory`
-    in MiB per rank (None: no limit). Raises ValueError for p < 2, NoScheduleFits when nothing is within
-    the budget (naming the least memory any candidate needs)."""
+    in MiB per rank (None: no limit); `interlock` steps per call, their validation (see above). Raises
+    ValueError for p < 2, NoScheduleFits when nothing is within the budget (naming the least memory any
+    candidate needs)."""
     if stages < 2:
         raise ValueError(f"choosing a pipeline schedule needs at least 2 pipeline stages, not {stages}")
     if micro_batches < 1:
         raise ValueError(f"{micro_batches} micro-batches: need at least 1")
-    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules)
+    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation)
     if not found:
         raise ValueError(f"no schedule runs at p = {stages}, m = {micro_batches}: "
                          + "; ".join(f"{label}: {why}" for label, why in skipped[:3]))
@@ -138,7 +155,7 @@ def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS
                              f"{max(least.peak) / MiB:.3g} MiB ({least.label}, {least.method} cut): raise the "
                              f"budget to at least that, or use fewer micro-batches per step")
     ranked = sorted(fits, key=lambda c: (c.step, max(c.peak), c.label, c.cut))
-    return Choice(stages, micro_batches, max_activation_memory, ranked, over, skipped)
+    return Choice(stages, micro_batches, max_activation_memory, ranked, over, skipped, interlock)
 
 
 def table(choice, limit=None):
@@ -168,7 +185,8 @@ def summary(choice):
     budget = "" if choice.budget is None else \
         f", peak {max(pick.peak) / MiB:.1f} MiB within --max-activation-memory {choice.budget:g} MiB"
     return (f"chose {pick.label} with the {pick.method} cut (layers {pick.parts}) at p = {choice.stages}, "
-            f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step, {why}{budget}")
+            f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step"
+            f"{f' interlocked ({choice.interlock} steps per call)' if choice.interlock > 1 else ''}, {why}{budget}")
 
 
 def to_json(choice):
@@ -178,5 +196,6 @@ def to_json(choice):
                 'step_s': c.step, 'span_s': c.span, 'outside_s': c.outside, 'bubble': c.bubble,
                 'peak_bytes': c.peak, 'params': c.params}
     return {'stages': choice.stages, 'micro_batches': choice.micro_batches, 'budget_mib': choice.budget,
+            'interlock': choice.interlock,
             'ranked': [row(c) for c in choice.ranked], 'dropped': [row(c) for c in choice.dropped],
             'skipped': [list(s) for s in choice.skipped]}

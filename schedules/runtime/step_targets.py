@@ -106,7 +106,22 @@ class TorchStep:
         self.engine.zero_grad()
 
 
-class BF16Step:
+class _PartitionedStep:
+    """What DeepSpeed's BF16 and ZeRO optimizers share: fp32 partitions stepped by a torch optimizer
+    (`opt.optimizer`), whose state they link to the weights lazily, at their first step; the flat weights the
+    partitions are copied into. `_stepped()`: (the fp32 partitions, the flat weights)."""
+
+    def save(self, backup):
+        partitions, weights = self._stepped()
+        backup.save(list(partitions) + list(weights), self.opt.optimizer)
+
+    def restore(self, backup):
+        backup.restore(self.opt.optimizer)
+        if not all(p in self.opt.optimizer.state for p in self._stepped()[0]):
+            self.opt._hp_optimizer_states_linked = False  # the step created the state: the redo links its own
+
+
+class BF16Step(_PartitionedStep):
     """DeepSpeed's BF16_Optimizer: fp32 master partitions (`fp32_groups_flat_partition`, one per data-parallel
     rank), fp32 gradients in flat buffers (`fp32_groups_gradients_flat`), bf16 weights (`bf16_groups_flat`)."""
 
@@ -135,16 +150,8 @@ class BF16Step:
             return float("inf")
         return float(self.opt.clip_grad / (self.norm(squares) + 1e-6))  # clip_tensors_by_global_norm's, in fp32
 
-    def _weights(self):
-        return list(self.opt.fp32_groups_flat_partition) + list(self.opt.bf16_groups_flat)
-
-    def save(self, backup):
-        backup.save(self._weights(), self.opt.optimizer)
-
-    def restore(self, backup):
-        backup.restore(self.opt.optimizer)
-        if not all(p in self.opt.optimizer.state for p in self.opt.fp32_groups_flat_partition):
-            self.opt._hp_optimizer_states_linked = False  # the step created the state: the redo links its own
+    def _stepped(self):
+        return self.opt.fp32_groups_flat_partition, self.opt.bf16_groups_flat
 
     def step(self, squares=None):
         """BF16_Optimizer.step after its norm (DeepSpeed 0.19.8): clip, step the fp32 partitions, copy them to the
@@ -188,7 +195,7 @@ class BF16Step:
         self.opt.zero_grad(set_to_none=True)  # as DeepSpeed's _take_model_step does in bf16
 
 
-class ZeroStep:
+class ZeroStep(_PartitionedStep):
     """DeepSpeed's ZeRO optimizer at stage 1 in fp32: each data-parallel rank steps its fp32 partition
     (`single_partition_of_fp32_groups`) from its partition of the reduced gradients (`averaged_gradients`), then
     the partitions are all-gathered into the weights (`bit16_groups_flat`, fp32 here). The norm, the clipping and
@@ -262,16 +269,8 @@ class ZeroStep:
             return float("inf")
         return 1.0 / float(((self.norm(squares) / self.opt.loss_scale) + 1e-6) / self.opt.clip_grad)
 
-    def _weights(self):
-        return list(self.opt.single_partition_of_fp32_groups) + list(self.opt.bit16_groups_flat)
-
-    def save(self, backup):
-        backup.save(self._weights(), self.opt.optimizer)
-
-    def restore(self, backup):
-        backup.restore(self.opt.optimizer)
-        if not all(p in self.opt.optimizer.state for p in self.opt.single_partition_of_fp32_groups):
-            self.opt._hp_optimizer_states_linked = False  # the step created the state: the redo links its own
+    def _stepped(self):
+        return self.opt.single_partition_of_fp32_groups, self.opt.bit16_groups_flat
 
     def step(self, squares=None):
         """DeepSpeedZeroOptimizer.step after its norm: per group clip, step the fp32 partition, copy it into the
