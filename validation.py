@@ -85,6 +85,10 @@ def _validate_config(cfg, pp, on_cpu, need):
          "pipeline (--pipeline-parallel-size 0)")
     fp16, bf16 = (cfg.get(k, {}).get("enabled", False) for k in ("fp16", "bf16"))
     need(not (fp16 and bf16), "config fp16.enabled and bf16.enabled: choose one; set fp16.enabled false for --bf16")
+    accumulate = str(cfg.get("data_types", {}).get("grad_accum_dtype", "")).lower()
+    need(not (bf16 and zero == 0 and accumulate in ("fp32", "float32")), "config bf16 with fp32 gradient "
+         "accumulation (what --bf16 sets) at zero_optimization.stage 0: DeepSpeed accumulates bf16 weights' "
+         "gradients in fp32 at ZeRO 1 only; set zero_optimization.stage 1 in --deepspeed_config")
     need(not (fp16 and on_cpu), "config fp16.enabled: DeepSpeed trains fp16 on GPUs only; on CPU set fp16.enabled "
          "false in --deepspeed_config (or train in bf16 with --bf16)")
     need(isinstance(cfg["optimizer"].get("type"), str), "config optimizer.type is missing: set it, or pass "
