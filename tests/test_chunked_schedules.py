@@ -93,13 +93,18 @@ def zero0_config(tmp_path_factory):
     return write_config(tmp_path_factory.mktemp("cfg") / "zero0.json", zero=0)
 
 
-@pytest.mark.parametrize("schedule, interlock", [("zb-v", True), ("dualpipe", False)])
+@pytest.mark.parametrize("schedule, interlock", [("zb-v", "zero0"), ("zb-v", "zero1"), ("zb-v", "zero1-bf16"),
+                                               ("dualpipe", None)])
 def test_resume_gives_the_same_next_losses(schedule, interlock, zero0_config, tmp_path):
     """Checkpoints hold each chunk's layers (DualPipe: one copy of each stage, loaded into both). ZB-V runs
-    `--interlock 2` (ZeRO 0, AdamW, LR schedule, clipping): a checkpoint is taken at the end of a call, nothing
-    pending, and resuming there continues with the same losses and validation losses."""
-    extra = ["--interlock", "2", "--deepspeed_config", zero0_config, "--eval-interval", "2", "--eval-batches", "1"] \
-        if interlock else []
+    `--interlock 2` (AdamW, LR schedule, clipping; ZeRO 0, or ZeRO 1 in fp32 or bf16: DeepSpeed's ZeRO and BF16
+    optimizers' steps post-validated): a checkpoint is taken at the end of a call, nothing pending, and resuming
+    there continues with the same losses and validation losses."""
+    extra = []
+    if interlock:
+        extra = ["--interlock", "2", "--eval-interval", "2", "--eval-batches", "1"]
+        extra += ["--deepspeed_config", zero0_config] if interlock == "zero0" else []  # else ds_config.json: ZeRO 1
+        extra += ["--bf16"] if interlock.endswith("bf16") else []
     flags = [*TINY_CHUNKED, "--steps", "4", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
              *PP2, "--pipeline-schedule", schedule, "--save-dir", tmp_path / "ckpt", "--save-interval", "2",
              "--dist-timeout", "120", *extra]

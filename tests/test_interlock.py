@@ -383,6 +383,22 @@ def test_the_speculation_vote_weighs_the_slowest_ranks_wait_against_backups_and_
     assert votes[0].norm_wait_s == 0.0
 
 
+def test_the_speculation_vote_probes_the_wait_after_a_run_of_speculated_steps():
+    """Speculating, a rank does not wait for the norm, so a wait that shrank goes unseen: after PROBE_AFTER steps
+    speculated past in a row the next one validates before the next stream (measuring the wait again)."""
+    from schedules.runtime.validation_policy import SpeculationVote
+    vote = SpeculationVote(0, 1)
+    vote.rule = lambda v: True  # it pays, every step
+    n = SpeculationVote.PROBE_AFTER
+    assert [vote.speculates() for _ in range(2 * n + 2)] == ([True] * n + [False]) * 2
+    vote.rule = lambda v: v.validated % 2 == 0  # no run reaches a probe: the rule alone decides
+    decisions = []
+    for _ in range(6):
+        decisions.append(vote.speculates())
+        vote.validated_step(redone=False)
+    assert decisions == [True, False] * 3
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_auto_speculates_where_the_first_stage_waits_for_the_norm():
