@@ -383,6 +383,20 @@ def test_the_speculation_vote_weighs_the_slowest_ranks_wait_against_backups_and_
     assert votes[0].norm_wait_s == 0.0
 
 
+def test_a_zero_0_step_is_validated_while_clipping_is_on():
+    """Asked at every step (the benchmark moves the threshold between runs of the same engine): at ZeRO 0 in fp32
+    there is something to validate only while clipping is on; DeepSpeed's optimizers' norm always decides."""
+    from types import SimpleNamespace
+
+    from schedules.runtime.step_targets import BF16Step, TorchStep
+    clip = [0.0]
+    target = TorchStep(SimpleNamespace(gradient_clipping=lambda: clip[0]))
+    assert not target.validates()
+    clip[0] = 0.5
+    assert target.validates()
+    assert BF16Step(SimpleNamespace(optimizer=None, dp_world_size=1)).validates()
+
+
 def test_the_speculation_vote_probes_the_wait_after_a_run_of_speculated_steps():
     """Speculating, a rank does not wait for the norm, so a wait that shrank goes unseen: after PROBE_AFTER steps
     speculated past in a row the next one validates before the next stream (measuring the wait again)."""

@@ -174,7 +174,8 @@ class Interlock:
         pipeline finds the same norm and takes the same decision. Otherwise (fp16, offload, ...) DeepSpeed's own
         step runs, interlocked or not: its optimizer all-reduces the model's norm before it updates, so an
         interlocked stage waits there for it and has nothing to roll back."""
-        return self._target() is not None
+        target = self._target()
+        return target is not None and target.validates()
 
     def _target(self):
         if not hasattr(self, '_step_target'):
@@ -309,8 +310,9 @@ class Interlock:
 
     def _steps_ahead(self):
         """Whether a rank whose own norm does not clip steps before the model's norm arrives. Where the step has a
-        collective over data-parallel replicas (bf16's all-gather of the updated partitions), every replica of a
-        stage must take its steps alike, so `auto` steps ahead there rather than by each rank's own timings."""
+        collective over data-parallel replicas (the BF16 and ZeRO-1 optimizers' all-gather of the updated
+        partitions), every replica of a stage must take its steps alike, so `auto` steps ahead there rather than
+        by each rank's own timings."""
         if self.post_validation == "auto" and self._target().steps_over_replicas:
             return True
         return self._ahead_policy().steps_ahead()

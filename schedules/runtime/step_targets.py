@@ -18,7 +18,8 @@ given: DeepSpeed's own step blocks on the norm's all-reduce over the pipeline, w
 off the critical path. Even with clipping off their norm decides (a step with a non-finite norm is skipped), so
 there is something to validate either way.
 
-`step_target(engine)` picks the class, or None where DeepSpeed's own step runs (fp16, ZeRO 1 in bf16 with bf16
+`step_target(engine)` picks the class (its `validates()`: whether the step has anything to validate now), or None
+where DeepSpeed's own step runs (fp16, ZeRO 1 in bf16 with bf16
 gradients, CPU offload, mixture of experts, Muon, ZenFlow): interlocked there, a stage waits inside that step
 for the model's norm.
 """
@@ -38,8 +39,8 @@ def step_target(engine):
     """The post-validated step's operations for `engine`'s optimizer, or None where DeepSpeed's own step runs."""
     if engine.has_moe_layers or engine.torch_autocast_z0_gradscaler:
         return None
-    if zero0_fp32(engine):  # with clipping off nothing is checked: the norm decides nothing
-        return TorchStep(engine) if engine.gradient_clipping() > 0 else None
+    if zero0_fp32(engine):
+        return TorchStep(engine)
     if type(engine.optimizer) is BF16_Optimizer and not getattr(engine.optimizer, '_uses_muon', False):
         return BF16Step(engine)
     if type(engine.optimizer) is DeepSpeedZeroOptimizer and ZeroStep.takes(engine):
@@ -54,6 +55,11 @@ class TorchStep:
 
     def __init__(self, engine):
         self.engine, self._params = engine, []
+
+    def validates(self):
+        """Whether there is anything to validate: with clipping off nothing is checked (the norm decides nothing).
+        Asked at every step: the threshold may change between steps."""
+        return self.engine.gradient_clipping() > 0
 
     def group(self):
         """Where the norm is summed: the pipeline (data-parallel replicas hold the same reduced gradients)."""
@@ -110,6 +116,9 @@ class _PartitionedStep:
     """What DeepSpeed's BF16 and ZeRO optimizers share: fp32 partitions stepped by a torch optimizer
     (`opt.optimizer`), whose state they link to the weights lazily, at their first step; the flat weights the
     partitions are copied into. `_stepped()`: (the fp32 partitions, the flat weights)."""
+
+    def validates(self):
+        return True  # clipping on or off, their norm decides whether the step is skipped
 
     def save(self, backup):
         partitions, weights = self._stepped()
