@@ -105,8 +105,9 @@ def main(steps, m, cases):
             seen = sorted(norms(schedule, stages, steps, m))
             clip = (seen[len(seen) // 2 - 1] + seen[len(seen) // 2]) / 2  # between two steps' norms: half clip
         sync, inter = engine(schedule, stages, m, clip), engine(schedule, stages, m, clip)
-        if OPTIMIZER:  # against DeepSpeed's own step, whose norm's all-reduce blocks
+        if OPTIMIZER:  # against DeepSpeed's own step, whose norm's all-reduce blocks, and its loss broadcast
             sync._step_target = None
+            sync._loss_shared_early = lambda: False
         inter.post_validation = policy[0] if policy else "ahead"
         if inter.post_validation == "auto-alternate":
             inter.post_validation = "auto"

@@ -20,16 +20,17 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   waits there for the last one to finish its step. Here the last stage sends its replica's loss as
   soon as its last forward of the step has computed it, to receives the other stages posted when
   the step began; at the end of the step it has arrived. With several data-parallel replicas
-  (fp32), each stage then averages it over its own data-parallel group, the ranks of the same stage,
-  which the gradient reduction has just brought together anyway: the same sum, in the same order, as
-  DeepSpeed's average over the last stages. Same values, same place (`train_batch`'s return value on
-  every stage).
+  (fp32 or bf16), each stage then averages it over its own data-parallel group, the ranks of the same
+  stage, which the gradient reduction has just brought together anyway: the same sum, in the same order
+  and the loss's own dtype, as DeepSpeed's average over the last stages. Same values, same place
+  (`train_batch`'s return value on every stage).
 
-With ZeRO 0 in fp32, the step itself (clipping, and skipping a step whose global gradient norm is not
-finite, on every stage) is interlock.py's: validated at once here, later when steps are interlocked.
+The step itself (clipping, and skipping a step whose global gradient norm is not finite, on every
+stage) is interlock.py's (step_targets.py: at ZeRO 0 in fp32, and with DeepSpeed's BF16 and ZeRO-1
+optimizers): validated at once when steps are synchronised, later when they are interlocked.
 
-Everything else (ZeRO 1, bf16, data parallelism, fp16, MoE, additional losses) goes through
-DeepSpeed unchanged.
+Everything else (the gradient reduction at ZeRO 1, in bf16 or with several replicas, fp16, MoE, additional
+losses) goes through DeepSpeed unchanged.
 """
 import torch
 from deepspeed import comm as dist
@@ -102,6 +103,7 @@ def clip_grads_(params, max_norm, group):
 
 
 LOSS_TAG = 0x1055  # the early loss messages' tag: apart from the activations and gradients between the same ranks
+LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a loss's dtype, sent as its index
 
 
 class LeanStep:
@@ -112,9 +114,9 @@ class LeanStep:
     _early_loss = None  # this step: ([works], losses), the loss being received or sent, or None
 
     def _loss_shared_early(self):
-        # several replicas: fp32 only, where the average below is DeepSpeed's to the bit
+        # several replicas: fp32 and bf16, where the average below is DeepSpeed's to the bit (fp16: untested here)
         return (self.is_pipe_parallel and self.module.training and self.module.get_additional_losses() is None
-                and (self.dp_world_size == 1 or not (self.fp16_enabled() or self.bfloat16_enabled())))
+                and (self.dp_world_size == 1 or not self.fp16_enabled()))
 
     def _loss_step_start(self):
         self._early_loss, self._loss_forwards = None, 0
@@ -122,7 +124,7 @@ class LeanStep:
             return
         src = self._loss_stage_global_rank()
         if self.global_rank != src:
-            buffer = torch.zeros(2, device=self.device)
+            buffer = torch.zeros(3, device=self.device)
             self._early_loss = ([dist.irecv(buffer, src, group=self.grid.get_pipe_parallel_group(), tag=LOSS_TAG)],
                                 buffer)
 
@@ -131,8 +133,10 @@ class LeanStep:
         self._loss_forwards += 1
         if self._loss_forwards != self.micro_batches or not self._loss_shared_early():
             return
-        loss = self._scale_loss_by_gas(self.total_loss)
-        losses = torch.stack([loss.detach(), loss.detach()]).float()  # (this replica's loss, the average)
+        loss = self._scale_loss_by_gas(self.total_loss).detach()
+        # (this replica's loss, the average, the loss's dtype: the average over replicas is taken in it)
+        losses = torch.stack([loss.float(), loss.float(), torch.tensor(float(LOSS_DTYPES.index(loss.dtype)),
+                                                                       device=loss.device)])
         group = self.grid.get_pipe_parallel_group()
         works = [dist.isend(losses, rank, group=group, tag=LOSS_TAG)
                  for rank in self.grid.pp_group if rank != self.global_rank]
@@ -149,10 +153,11 @@ class LeanStep:
             self.agg_additional_losses = None
         self.dp_group_loss = losses[0].clone()
         average = losses[1].clone()
-        if self.is_data_parallel:
+        if self.is_data_parallel:  # in the loss's own dtype, as DeepSpeed's last stages average it
+            average = average.to(LOSS_DTYPES[int(losses[2])])
             dist.all_reduce(average, group=self.mpu.get_data_parallel_group())
             average /= self.dp_world_size
-        return average
+        return average.float()
 
     def _exec_reduce_grads(self):
         if not needs_no_reduction(self):
