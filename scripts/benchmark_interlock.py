@@ -54,6 +54,7 @@ SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
 CLIPPED = ["clipped-ahead", "clipped-wait", "clipped-auto", "clipped-speculate", "never-wait", "never-speculate",
            "never-auto"]
 NEVER = 1e30  # the clipping threshold of the never- runs
+COUNTERS = ("rollbacks", "waited", "replays", "speculated", "validations")  # post-validation's, per call and rank
 
 
 def policy_key(mode):
@@ -162,8 +163,7 @@ def worker(args):
                         engine.train_batch(iter(batches[s * m:(s + 1) * m]))
                         times.append(time.perf_counter() - t0)
                 else:
-                    rollbacks, waited = getattr(engine, "rollbacks", 0), getattr(engine, "waited", 0)
-                    replays, speculated = getattr(engine, "replays", 0), getattr(engine, "speculated", 0)
+                    before = {c: getattr(engine, c, 0) for c in COUNTERS}
                     t0 = time.perf_counter()
                     train_batches(engine, iter(batches), iterations=k)
                     times = [time.perf_counter() - t0]
@@ -171,11 +171,8 @@ def worker(args):
                 record = {"times": times, "passes": [p.__dict__ for p in tracer.passes], "p2p": tracer.p2p,
                           "other": tracer.other, "cpu_s": time.process_time() - cpu0,
                           "wall_s": time.perf_counter() - wall0}
-                if clipped:
-                    record["rollbacks"] = engine.rollbacks - rollbacks
-                    record["waited"] = engine.waited - waited
-                    record["replays"] = engine.replays - replays
-                    record["speculated"] = engine.speculated - speculated
+                if mode != "sync" and hasattr(engine, "validations"):  # what post-validation did in the call
+                    record.update({c: getattr(engine, c) - before[c] for c in COUNTERS})
                 if r > 0:
                     record["threshold"] = threshold if clipped else thresholds.get(name)
                     runs[name][mode].append(record)
@@ -329,6 +326,18 @@ def _step_costs(ranks, name, mode, i, runs, validation=None):
     return costs
 
 
+def validation_of(ranks, name, mode, i):
+    """How run `mode` of round i validated its steps, as the simulator models it: None where nothing was validated
+    (ZeRO 0 in fp32 with clipping off; runs recorded without counters) or most steps were speculated past; 'wait'
+    where most waited for the model's norm before the next stream; else 'ahead' (stepped before it arrived). From
+    the first stage's counters: its wait is the one that holds the overlap back."""
+    record = ranks[0]["runs"][name][mode][i]
+    validations = record.get("validations", 0)
+    if not validations or 2 * record.get("speculated", 0) >= validations:
+        return None
+    return "wait" if 2 * record.get("waited", 0) >= validations else "ahead"
+
+
 def _replayed(ranks, name, mode, i):
     """The steps of run `mode` of round i that ran twice (speculating past a step that was then redone), as
     traced (`Replay`, the same steps on every rank)."""
@@ -381,10 +390,13 @@ def analyse(ranks, args, m):
             # each run predicted from its own costs (passes, p2p, dispatch, each rank's optimizer step); the
             # interlocked period also from the synchronised run's costs: what the order alone changes
             pred = _predict(spec, ranks, name, "sync", i, sync, latency, args, messages)
-            own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages)
+            # validated as the run validated (at ZeRO 1 and in bf16 the norm is validated even with clipping off)
+            validation = validation_of(ranks, name, "interlocked", i)
+            own = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages, validation=validation)
             # the same from each traced pass's own duration: what the means leave out (jitter on the critical path);
             # over the measured window (steps 1 to K-1), as the measured period
-            replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages, replay=True).chained
+            replay = _predict(spec, ranks, name, "interlocked", i, inter, latency, args, messages, replay=True,
+                              validation=validation).chained
             replay_period = _period(replay, k)
             row["replay_period_s"].append(replay_period)
             row["latency_traced_s"].append(_p2p_costs(spec, ranks, name, "interlocked", i, latency, messages)[0])

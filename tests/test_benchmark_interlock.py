@@ -97,3 +97,15 @@ def test_clipping_is_set_where_deepspeeds_optimizers_read_it():
     torch_opt = SimpleNamespace(_config=SimpleNamespace(gradient_clipping=0.0), optimizer=SimpleNamespace())
     bench.set_clipping(torch_opt, 0.5)
     assert torch_opt._config.gradient_clipping == 0.5 and not hasattr(torch_opt.optimizer, "clip_grad")
+
+
+def test_an_interlocked_run_is_predicted_validated_as_it_validated():
+    bench = script()
+
+    def ranks(**counters):
+        return [{"runs": {"zb-h2": {"interlocked": [counters]}}}]
+    assert bench.validation_of(ranks(), "zb-h2", "interlocked", 0) is None  # no counters: nothing validated
+    assert bench.validation_of(ranks(validations=0), "zb-h2", "interlocked", 0) is None  # ZeRO 0, clipping off
+    assert bench.validation_of(ranks(validations=10, speculated=10), "zb-h2", "interlocked", 0) is None
+    assert bench.validation_of(ranks(validations=10, waited=9), "zb-h2", "interlocked", 0) == "wait"
+    assert bench.validation_of(ranks(validations=10, waited=2), "zb-h2", "interlocked", 0) == "ahead"
