@@ -19,15 +19,14 @@ off the critical path. Even with clipping off their norm decides (a step with a 
 there is something to validate either way.
 
 `step_target(engine)` picks the class (its `validates()`: whether the step has anything to validate now), or None
-where DeepSpeed's own step runs (fp16, ZeRO 1 in bf16 with bf16
-gradients, CPU offload, mixture of experts, Muon, ZenFlow): interlocked there, a stage waits inside that step
-for the model's norm.
+where DeepSpeed's own step runs (fp16, ZeRO 1 in bf16 with bf16 gradients, CPU offload, mixture of experts,
+Muon, ZenFlow): interlocked there, a stage waits inside that step for the model's norm.
 """
 import torch
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.utils import all_gather_dp_groups, combine_grad_norm_groups, is_model_parallel_parameter
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
@@ -74,7 +73,7 @@ class TorchStep:
 
     def coefficient(self, squares):
         """The clipping coefficient of a (finite) squared norm: below 1, the step scales the gradients by it."""
-        return clip_coefficient(self.engine.gradient_clipping(), squares.sqrt())
+        return clip_coefficient(self.engine.gradient_clipping(), self.norm(squares))
 
     def save(self, backup):
         backup.save(self._params, self.engine.optimizer)
@@ -282,8 +281,8 @@ class ZeroStep(_PartitionedStep):
         return self.opt.single_partition_of_fp32_groups, self.opt.bit16_groups_flat
 
     def step(self, squares=None):
-        """DeepSpeedZeroOptimizer.step after its norm: per group clip, step the fp32 partition, copy it into the
-        weights' partition; then the all-gather over replicas."""
+        """DeepSpeedZeroOptimizer.step after its norm: per group clip and step the fp32 partition; then copy the
+        partitions into the weights' and all-gather them over replicas (the optimizer's own update_lp_params)."""
         opt, norm = self.opt, None if squares is None else self.norm(squares)
         for i, grad in enumerate(self._grads):
             fp32_partition = opt.single_partition_of_fp32_groups[i]
@@ -292,13 +291,7 @@ class ZeroStep(_PartitionedStep):
                 opt.unscale_and_clip_grads([grad], norm)
             opt._optimizer_step(i)
             fp32_partition.grad = None
-            partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
-            opt.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(fp32_partition.data)
-        all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
-                             partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
-                             dp_process_group=opt.real_dp_process_group,
-                             start_alignment_factor=opt.nccl_start_alignment_factor,
-                             allgather_bucket_size=opt.allgather_bucket_size)
+        opt.update_lp_params()
         for i in range(len(opt.bit16_groups)):
             opt._update_model_bit16_weights(i)
 
