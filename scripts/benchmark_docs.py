@@ -20,6 +20,7 @@ a missing file leaves its section saying how to produce it):
     interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
     interlock-timed-p4.json, interlock-timed-p8.json  the same at p = 4 and 8, passes of set times (--pass-ms)
     interlock-timed-p4-zero1.json  the same at p = 4 with DeepSpeed's ZeRO-1 optimizer (--zero 1)
+    interlock-timed-p2-clipping-off.json  p = 2, passes of set times, clipping off, paired round by round
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -894,13 +895,20 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
           "peers.json", "peers-gptlite.json", "interlock.json", "interlock-clipping-off.json",
-          "interlock-timed-p4.json", "interlock-timed-p8.json", "interlock-timed-p4-zero1.json")
+          "interlock-timed-p4.json", "interlock-timed-p8.json", "interlock-timed-p4-zero1.json",
+          "interlock-timed-p2-clipping-off.json")
+
+
+def gain_ratio(measured, predicted):
+    """The measured gain over the predicted one, or None where the prediction gains under 1% (a ratio of noise).
+    benchmark_interlock prints it too."""
+    return (measured - 1) / (predicted - 1) if predicted - 1 > 0.01 else None
 
 
 def gain_cell(measured, predicted):
-    """A measured speed-up's gain over the predicted one, as a cell; '-' where the prediction gains under 1% (a
-    ratio of noise), as benchmark_interlock.gain_ratio prints it."""
-    return f"{(measured - 1) / (predicted - 1):.0%}" if predicted - 1 > 0.01 else "-"
+    """gain_ratio as a table cell ('-' where there is none)."""
+    ratio = gain_ratio(measured, predicted)
+    return f"{ratio:.0%}" if ratio is not None else "-"
 
 
 def interlock_model(args):
@@ -1094,6 +1102,10 @@ def render(bench_dir=BENCH_DIR) -> str:
     if "interlock-clipping-off.json" in docs:
         parts.append(interlock_section(docs["interlock-clipping-off.json"], "## Interlocked steps, clipping off, "
                                        "paired round by round", "interlock-clipping-off.json"))
+    if "interlock-timed-p2-clipping-off.json" in docs:
+        parts.append(interlock_section(docs["interlock-timed-p2-clipping-off.json"], "## Interlocked steps at p = 2, "
+                                       "passes of set times, clipping off, paired round by round",
+                                       "interlock-timed-p2-clipping-off.json"))
     for p in (4, 8):
         if f"interlock-timed-p{p}.json" in docs:
             parts.append(interlock_section(docs[f"interlock-timed-p{p}.json"], f"## Interlocked steps at p = {p}, "

@@ -5,6 +5,8 @@ simulator's interlocked prediction from the run's own costs; the rollback rate a
     python scripts/benchmark_interlock.py --docs               # also docs/bench/interlock.json, docs/benchmarks.md
     python scripts/benchmark_interlock.py --stages 4 --micro-batches 8 16 --deep-width 16 --pass-ms 2.5 2.5 2.5 \
         --iterations 8 --docs                      # passes of set times (docs/bench/interlock-timed-p4.json)
+    python scripts/benchmark_interlock.py --micro-batches 4 8 --deep-width 16 --pass-ms 2.5 2.5 2.5 \
+        --iterations 10 --rounds 12 --clipping-off --docs   # p = 2, the issue's criteria (...-timed-p2-clipping-off)
 
 `--pass-ms F B W` builds the deep model of `TimedBlock`s (deep_model.py): each block's forward, input gradient and
 weight gradient sleep F, B and W ms around their (small, real) arithmetic. The ranks then sleep rather than compute,
@@ -502,12 +504,8 @@ def ratio_interval(measured, predicted, level=0.9, draws=2000):
     return [statistics.median(ratios), medians[tail], medians[draws - 1 - tail]]
 
 
-def gain_ratio(measured, predicted):
-    """The measured gain over the predicted one, or None where the prediction gains under 1% (a ratio of noise)."""
-    return (measured - 1) / (predicted - 1) if predicted - 1 > 0.01 else None
-
-
 def table(res, m):
+    from benchmark_docs import gain_ratio  # beside this script (as the report is rendered for the docs)
     lines = [f"m = {m}: synchronised step (the slowest rank's, optimizer step included) against the interlocked "
              f"period; bubble per rank "
              f"measured / predicted",

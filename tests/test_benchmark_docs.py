@@ -6,6 +6,8 @@ import os
 import shutil
 import statistics
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "docs", "bench")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -78,3 +80,9 @@ def test_a_missing_json_leaves_its_section_saying_how_to_make_it(tmp_path):
     text = renderer().render(str(tmp_path))
     assert "_No `bench/deep.json` yet: run `python scripts/benchmark_schedules.py --what both`._" in text
     assert "| 128 KiB | 40 |" in text and "512 KiB" not in text
+
+
+def test_a_gain_is_measured_over_predicted_unless_the_prediction_gains_under_one_percent():
+    docs = renderer()
+    assert docs.gain_ratio(1.03, 1.06) == pytest.approx(0.5) and docs.gain_ratio(1.03, 1.005) is None
+    assert docs.gain_cell(1.03, 1.06) == "50%" and docs.gain_cell(1.03, 1.005) == "-"
