@@ -235,43 +235,20 @@ class TorchPipeline:
         return {"span": t1 - t0, "clip": t2 - t1, "optimizer": t3 - t2, "zero_grad": t4 - t3}, loss
 
 
-def data(args, m, device):
-    import torch
-    if args.model == "gptlite":  # random tokens: the schedules, not the data, are measured
-        from gptlite import MODEL_SIZES
-        g = torch.Generator().manual_seed(0)
-        shape = (args.micro_batch_size, MODEL_SIZES[args.model_size].block_size)
-        batches = [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
-                   for _ in range(m)]
-    else:
-        from deep_model import synthetic_micro_batch
-        batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
-    return [(x.to(device), y.to(device)) for x, y in batches]
-
-
-def rank_device(kind):
-    """(torch.device, synchronize) of this rank: the CPU, or the GPU of its local rank (one GPU per rank)."""
-    import torch
-    if kind != "cuda":
-        return torch.device("cpu"), lambda: None
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
-
-
 def worker(args):
     from datetime import timedelta
 
     import deepspeed
     import torch
     import torch.distributed as dist
-
+    from benchmark_schedules import rank_device, synthetic_batches  # beside this script
     m, clip = args.micro_batches[0], args.clip == "on"
     torch.set_num_threads(1)
     device, sync = rank_device(args.device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                timeout=timedelta(seconds=300))
     rank = dist.get_rank()
-    batches = data(args, m, device)
+    batches = synthetic_batches(args, m, device)
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     ours_names = [n for n in args.schedules if n in PAIRS or n in OURS_ONLY]
     theirs_names = [n for n in args.schedules if n in PAIRS or n in TORCH_ONLY]

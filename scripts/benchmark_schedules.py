@@ -151,6 +151,32 @@ def ping_pong_latency(rank, nbytes, device, sync, repeats=50):
     return (time.perf_counter() - t0) / repeats / 2
 
 
+def rank_device(kind):
+    """(torch.device, synchronize) of this rank: the CPU, or the GPU of its local rank (one GPU per rank: NCCL
+    refuses two ranks on one device)."""
+    import torch
+    if kind != "cuda":
+        return torch.device("cpu"), lambda: None
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
+
+
+def synthetic_batches(args, m, device=None):
+    """m micro-batches of the benchmarked model, the same on every rank and run (the schedules, not the data, are
+    measured): GPTlite's random tokens, or the deep model's synthetic_micro_batch; moved to `device` if given."""
+    import torch
+    if args.model == "gptlite":
+        from gptlite import MODEL_SIZES
+        g = torch.Generator().manual_seed(0)
+        shape = (args.micro_batch_size, MODEL_SIZES[args.model_size].block_size)
+        batches = [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
+                   for _ in range(m)]
+    else:
+        from deep_model import synthetic_micro_batch
+        batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+    return batches if device is None else [(x.to(device), y.to(device)) for x, y in batches]
+
+
 def worker(args):
     from datetime import timedelta
 
@@ -158,25 +184,14 @@ def worker(args):
     import torch
     import torch.distributed as dist
 
-    from deep_model import synthetic_micro_batch
     from schedules.observe.memory import SavedTensorTracker, peak_rss_bytes, reset_peak_rss
     from schedules.observe.trace import Tracer, engine_placement
 
     cuda = args.device == "cuda"
-    if cuda:  # one GPU per rank (NCCL refuses two ranks on one device)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device, sync = rank_device(args.device)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rank, m = dist.get_rank(), args.micro_batches[0]
-    if args.model == "gptlite":  # random tokens: the schedules, not the data, are measured
-        from gptlite import MODEL_SIZES
-        g = torch.Generator().manual_seed(0)
-        shape = (args.micro_batch_size, MODEL_SIZES[args.model_size].block_size)
-        batches = [(torch.randint(0, 50257, shape, generator=g), torch.randint(0, 50257, shape, generator=g))
-                   for _ in range(m)]
-    else:
-        batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m)]
+    batches = synthetic_batches(args, m)  # on the CPU: the engine moves them
     result = {"rank": rank, "schedules": {}}
     names = args.schedules
     engines = {name: build_engine(name, args, m) for name in names}
