@@ -43,7 +43,15 @@ def test_interlocked_candidates_are_ranked_by_the_interlocked_period():
     assert free["1f1b"].step == pytest.approx(3 * M + 3 * (P - 1) + outside)  # synchronised, unchanged
     waiting = choose(synthetic(), P, M, interlock=4, validation="wait")
     assert {c.label: c for c in waiting.ranked}["zb-h2"].step == pytest.approx(3 * M + (P - 1) + outside)
-    assert "interlocked (4 steps per call)" in summary(waiting)
+    assert "interlocked (4 steps per call" in summary(waiting)
+    # what K buys the pick: ZB-V speculating, 3 units a micro-batch against (p-1)/2 more synchronised
+    assert free["zb-v"].synchronised == pytest.approx(3 * M + (P - 1) / 2 + outside)
+    picked = choose(synthetic(), P, M, interlock=4, validation=None)
+    gain = (3 * M + (P - 1) / 2 + outside) / (3 * M + outside) - 1
+    assert f"{(3 * M + (P - 1) / 2 + outside) * 1e3:.1f} ms synchronised: --interlock 4 is {gain:.1%} faster" \
+        in summary(picked)
+    one = choose(synthetic(), P, M, interlock=4, validation=None, schedules=["1f1b"])  # DeepSpeed's own engine
+    assert "--interlock 4 gains nothing here" in summary(one)
 
 
 def test_the_chooser_validates_interlocked_steps_as_the_run_will():
@@ -169,7 +177,8 @@ def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
     assert rows and len(chose) == 1, out
     picked = rows[0].split()[1]
     assert chose[0].startswith(f"auto: chose {picked} ") and "profiling and choosing took" in chose[0]
-    assert ("interlocked (2 steps per call)" in chose[0]) == (interlock == 2)
+    assert ("interlocked (2 steps per call; " in chose[0]) == (interlock == 2)
+    assert ("ms synchronised: --interlock 2 " in chose[0]) == (interlock == 2)
     assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
 

@@ -40,12 +40,13 @@ class Candidate:
     virtual_stages: Optional[int]
     cut: str  # the partition method (methods giving the same cut are joined by '=')
     parts: list  # layer boundaries of the model stages
-    step: float = 0.0  # predicted seconds per step: span + outside
+    step: float = 0.0  # predicted seconds per step: span + outside (interlocked: the period of chained steps)
     span: float = 0.0  # the simulator's synchronised makespan
     outside: float = 0.0
     bubble: list = field(default_factory=list)  # idle fraction of the span per rank
     peak: list = field(default_factory=list)  # predicted peak activation bytes per rank
     params: list = field(default_factory=list)  # parameters per rank
+    synchronised: float = 0.0  # predicted seconds per step with a synchronised step end (span + outside)
 
     @property
     def label(self):
@@ -128,7 +129,8 @@ def _simulated(profile, spec, v, method, parts, placement, micro_batches, interl
         step = chained.period
         bubble = [row['idle_interlocked'] / chained.period for row in chained.per_rank]
     return Candidate(spec.name, v, method, parts, step, result.makespan, outside, bubble,
-                     [row['peak_activation_memory'] for row in result.per_rank], figures['params'])
+                     [row['peak_activation_memory'] for row in result.per_rank], figures['params'],
+                     result.makespan + outside)
 
 
 def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None, interlock=1,
@@ -185,8 +187,18 @@ def summary(choice):
     budget = "" if choice.budget is None else \
         f", peak {max(pick.peak) / MiB:.1f} MiB within --max-activation-memory {choice.budget:g} MiB"
     return (f"chose {pick.label} with the {pick.method} cut (layers {pick.parts}) at p = {choice.stages}, "
-            f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step"
-            f"{f' interlocked ({choice.interlock} steps per call)' if choice.interlock > 1 else ''}, {why}{budget}")
+            f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step{_interlocked(choice)}, "
+            f"{why}{budget}")
+
+
+def _interlocked(choice):
+    """What --interlock K buys the pick: its interlocked period against its own synchronised step."""
+    if choice.interlock <= 1:
+        return ""
+    pick, k = choice.pick, choice.interlock
+    gain = pick.synchronised / pick.step - 1
+    return (f" interlocked ({k} steps per call; {pick.synchronised * 1e3:.1f} ms synchronised: "
+            + (f"--interlock {k} is {gain:.1%} faster)" if gain > 5e-4 else f"--interlock {k} gains nothing here)"))
 
 
 def to_json(choice):
@@ -194,7 +206,7 @@ def to_json(choice):
     def row(c):
         return {'schedule': c.schedule, 'virtual_stages': c.virtual_stages, 'cut': c.cut, 'parts': c.parts,
                 'step_s': c.step, 'span_s': c.span, 'outside_s': c.outside, 'bubble': c.bubble,
-                'peak_bytes': c.peak, 'params': c.params}
+                'peak_bytes': c.peak, 'params': c.params, 'synchronised_s': c.synchronised}
     return {'stages': choice.stages, 'micro_batches': choice.micro_batches, 'budget_mib': choice.budget,
             'interlock': choice.interlock,
             'ranked': [row(c) for c in choice.ranked], 'dropped': [row(c) for c in choice.dropped],
