@@ -20,6 +20,8 @@ a missing file leaves its section saying how to produce it):
     interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
     interlock-timed-p4.json, interlock-timed-p8.json  the same at p = 4 and 8, passes of set times (--pass-ms)
     interlock-timed-p4-zero1.json  the same at p = 4 with DeepSpeed's ZeRO-1 optimizer (--zero 1)
+    interlock-timed-p4-zero1-bf16.json  the same in bf16: DeepSpeed's BF16 optimizer (--zero 1 --bf16)
+    interlock-timed-p4-zero1-bf16-clipping-off.json  the same, clipping off, paired round by round
     interlock-timed-p2-clipping-off.json  p = 2, passes of set times, clipping off, paired round by round
 
 Standard library only: no torch, no deepspeed, nothing from the project.
@@ -896,7 +898,8 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
           "peers.json", "peers-gptlite.json", "interlock.json", "interlock-clipping-off.json",
           "interlock-timed-p4.json", "interlock-timed-p8.json", "interlock-timed-p4-zero1.json",
-          "interlock-timed-p2-clipping-off.json")
+          "interlock-timed-p2-clipping-off.json", "interlock-timed-p4-zero1-bf16.json",
+          "interlock-timed-p4-zero1-bf16-clipping-off.json")
 
 
 def gain_ratio(measured, predicted):
@@ -935,7 +938,8 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         f"`engine.train_batches(iterations={args['iterations']})` (`train.py --interlock K`) against the same "
         f"schedule's steps with a barrier before each, {args['stages']} ranks, {interlock_model(args)}, "
         f"micro-batches of {args['micro_batch_size']}, ZeRO {args.get('zero', 0)}, "
-        f"fp32, fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
+        + ("bf16 (DeepSpeed's BF16 optimizer)" if args.get("bf16") else "fp32")
+        + f", fused AdamW, {args['rounds']} rounds. Synchronised: a step's time after the barrier on its slowest "
         "rank ("
         + ("the mean over steps 2 to K-1, the steps the interlocked period spans" if doc.get("sync_measure") == "mean"
            else "median over the steps")
@@ -1113,6 +1117,13 @@ def render(bench_dir=BENCH_DIR) -> str:
     if "interlock-timed-p4-zero1.json" in docs:
         parts.append(interlock_section(docs["interlock-timed-p4-zero1.json"], "## Interlocked steps at p = 4, ZeRO 1, "
                                        "passes of set times", "interlock-timed-p4-zero1.json"))
+    if "interlock-timed-p4-zero1-bf16.json" in docs:
+        parts.append(interlock_section(docs["interlock-timed-p4-zero1-bf16.json"], "## Interlocked steps at p = 4, "
+                                       "ZeRO 1, bf16, passes of set times", "interlock-timed-p4-zero1-bf16.json"))
+    if "interlock-timed-p4-zero1-bf16-clipping-off.json" in docs:
+        parts.append(interlock_section(docs["interlock-timed-p4-zero1-bf16-clipping-off.json"], "## Interlocked steps "
+                                       "at p = 4, ZeRO 1, bf16, passes of set times, clipping off, paired round by "
+                                       "round", "interlock-timed-p4-zero1-bf16-clipping-off.json"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

@@ -14,7 +14,7 @@ so more stages than the machine has cores run as they would on a device each, wi
 than drifting: what the engine makes of the interlocked order, at p where the order's gain is large.
 
 For each micro-batch count, ONE launch of p ranks (one thread each) builds an engine per schedule (ZeRO 0, or
-`--zero 1`; fp32, fused AdamW) and runs, in rounds with the order rotating:
+`--zero 1`; fp32, or `--bf16`; fused AdamW) and runs, in rounds with the order rotating:
 - `sync`: K steps, a barrier before each (what a synchronising step end does: every stage starts together);
 - `interlocked`: one `train_batches(iterations=K)` call, clipping off (nothing to validate);
 - `clipped-ahead`, `clipped-wait`, `clipped-auto`, `clipped-speculate` (schedules whose engine post-validates):
@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="ZeRO stage: at 1 the step is DeepSpeed's ZeRO-1 optimizer's, whose norm is validated even "
                         "with clipping off (it skips a non-finite step)")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 weights and activations, DeepSpeed's BF16 optimizer (fp32 gradients at ZeRO 1, as "
+                        "train.py --bf16; bf16 ones at ZeRO 0): its norm is validated even with clipping off")
     p.add_argument("--clipping-off", action="store_true",
                    help="only the synchronised and interlocked runs (clipping off): many rounds cheaply, for a "
                         "speed-up paired round by round (docs/bench/interlock[-timed-pP]-clipping-off.json)")
@@ -103,6 +106,8 @@ def build_engine(name, args, m):
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
            "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9}
+    if args.bf16:  # DeepSpeed accumulates bf16 weights' gradients in fp32 at ZeRO 1 only
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32" if args.zero else "bf16"})
     engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
                                       trace=True)
     return engine
@@ -124,10 +129,13 @@ def worker(args):
     torch.set_num_threads(1)
     rank, m, k = dist.get_rank(), args.micro_batches[0], args.iterations
     batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m * k)]
+    if args.bf16:
+        batches = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
     engines = {name: build_engine(name, args, m) for name in args.schedules}
     for engine in engines.values():
         engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
-    latency = ping_pong_latency(rank, args.micro_batch_size * args.deep_width * 4, torch.device("cpu"), lambda: None)
+    message = args.micro_batch_size * args.deep_width * (2 if args.bf16 else 4)  # an activation's bytes
+    latency = ping_pong_latency(rank, message, torch.device("cpu"), lambda: None)
     modes = {name: ["sync", "interlocked"] + (CLIPPED if hasattr(engines[name], "post_validates")
                                               and not args.clipping_off else [])
              for name in args.schedules}
@@ -221,6 +229,8 @@ def launch_worker(args, m):
         flags += ["--pass-ms", *args.pass_ms]
     if args.clipping_off:
         flags.append("--clipping-off")
+    if args.bf16:
+        flags.append("--bf16")
     run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_interlock.py")
     if not run.ok:
         raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
@@ -552,9 +562,10 @@ def table(res, m):
 
 def published_name(args):
     """The docs/bench file a run publishes: interlock (p = 2, real compute), interlock-timed-pP (passes of set
-    times), with -zero1 at ZeRO 1 and -clipping-off for the paired runs of clipping off only."""
+    times), with -zero1 at ZeRO 1, -bf16 in bf16 and -clipping-off for the paired runs of clipping off only."""
     name = f"interlock-timed-p{args.stages}" if args.pass_ms else "interlock"
-    return name + ("-zero1" if args.zero else "") + ("-clipping-off" if args.clipping_off else "")
+    return (name + ("-zero1" if args.zero else "") + ("-bf16" if args.bf16 else "")
+            + ("-clipping-off" if args.clipping_off else ""))
 
 
 def main(argv=None):

@@ -85,6 +85,8 @@ def test_a_run_publishes_where_its_kind_of_run_belongs():
         "interlock-timed-p4"
     assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1", "--zero", "1"])) == \
         "interlock-timed-p4-zero1"
+    assert bench.published_name(bench.parse_args(["--stages", "4", "--pass-ms", "1", "1", "1", "--zero", "1",
+                                                  "--bf16"])) == "interlock-timed-p4-zero1-bf16"
 
 
 def test_clipping_is_set_where_deepspeeds_optimizers_read_it():
