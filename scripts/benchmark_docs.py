@@ -895,11 +895,22 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            were found by reading them and fixed (the activation-shape message and the W pass's root gradients were
            created on the CPU).""")]
 
+# benchmark_interlock's runs beside interlock.json, in the page's order (their names: published_name there)
+INTERLOCK_RUNS = ("interlock-clipping-off.json", "interlock-timed-p2-clipping-off.json", "interlock-timed-p4.json",
+                  "interlock-timed-p8.json", "interlock-timed-p4-zero1.json", "interlock-timed-p4-zero1-bf16.json",
+                  "interlock-timed-p4-zero1-bf16-clipping-off.json")
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json", "interlock.json", "interlock-clipping-off.json",
-          "interlock-timed-p4.json", "interlock-timed-p8.json", "interlock-timed-p4-zero1.json",
-          "interlock-timed-p2-clipping-off.json", "interlock-timed-p4-zero1-bf16.json",
-          "interlock-timed-p4-zero1-bf16-clipping-off.json")
+          "peers.json", "peers-gptlite.json", "interlock.json") + INTERLOCK_RUNS
+
+
+def interlock_title(file):
+    """The section title of a benchmark_interlock run, from its file's name: interlock[-timed-pP][-zero1][-bf16]
+    [-clipping-off].json."""
+    timed, zero1, bf16, paired = re.fullmatch(r"interlock(?:-timed-p(\d+))?(-zero1)?(-bf16)?(-clipping-off)?\.json",
+                                              file).groups()
+    return ("## Interlocked steps" + (f" at p = {timed}" if timed else "") + (", ZeRO 1" if zero1 else "")
+            + (", bf16" if bf16 else "") + (", passes of set times" if timed else "")
+            + (", clipping off, paired round by round" if paired else ""))
 
 
 def gain_ratio(measured, predicted):
@@ -1103,27 +1114,9 @@ def render(bench_dir=BENCH_DIR) -> str:
                  missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
     parts.append(interlock_section(docs["interlock.json"]) if "interlock.json" in docs else
                  missing("## Interlocked steps", "interlock.json", "python scripts/benchmark_interlock.py --docs"))
-    if "interlock-clipping-off.json" in docs:
-        parts.append(interlock_section(docs["interlock-clipping-off.json"], "## Interlocked steps, clipping off, "
-                                       "paired round by round", "interlock-clipping-off.json"))
-    if "interlock-timed-p2-clipping-off.json" in docs:
-        parts.append(interlock_section(docs["interlock-timed-p2-clipping-off.json"], "## Interlocked steps at p = 2, "
-                                       "passes of set times, clipping off, paired round by round",
-                                       "interlock-timed-p2-clipping-off.json"))
-    for p in (4, 8):
-        if f"interlock-timed-p{p}.json" in docs:
-            parts.append(interlock_section(docs[f"interlock-timed-p{p}.json"], f"## Interlocked steps at p = {p}, "
-                                           "passes of set times", f"interlock-timed-p{p}.json"))
-    if "interlock-timed-p4-zero1.json" in docs:
-        parts.append(interlock_section(docs["interlock-timed-p4-zero1.json"], "## Interlocked steps at p = 4, ZeRO 1, "
-                                       "passes of set times", "interlock-timed-p4-zero1.json"))
-    if "interlock-timed-p4-zero1-bf16.json" in docs:
-        parts.append(interlock_section(docs["interlock-timed-p4-zero1-bf16.json"], "## Interlocked steps at p = 4, "
-                                       "ZeRO 1, bf16, passes of set times", "interlock-timed-p4-zero1-bf16.json"))
-    if "interlock-timed-p4-zero1-bf16-clipping-off.json" in docs:
-        parts.append(interlock_section(docs["interlock-timed-p4-zero1-bf16-clipping-off.json"], "## Interlocked steps "
-                                       "at p = 4, ZeRO 1, bf16, passes of set times, clipping off, paired round by "
-                                       "round", "interlock-timed-p4-zero1-bf16-clipping-off.json"))
+    for file in INTERLOCK_RUNS:
+        if file in docs:
+            parts.append(interlock_section(docs[file], interlock_title(file), file))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 

@@ -86,3 +86,12 @@ def test_a_gain_is_measured_over_predicted_unless_the_prediction_gains_under_one
     docs = renderer()
     assert docs.gain_ratio(1.03, 1.06) == pytest.approx(0.5) and docs.gain_ratio(1.03, 1.005) is None
     assert docs.gain_cell(1.03, 1.06) == "50%" and docs.gain_cell(1.03, 1.005) == "-"
+
+
+def test_an_interlock_run_is_titled_by_its_file_name():
+    docs = renderer()
+    assert docs.interlock_title("interlock-clipping-off.json") == \
+        "## Interlocked steps, clipping off, paired round by round"
+    assert docs.interlock_title("interlock-timed-p4-zero1-bf16-clipping-off.json") == \
+        "## Interlocked steps at p = 4, ZeRO 1, bf16, passes of set times, clipping off, paired round by round"
+    assert set(docs.INTERLOCK_RUNS) <= set(docs.INPUTS)
