@@ -30,7 +30,8 @@ def run_record(args, cfg, world):
     """What a checkpoint records of the run that wrote it (compared on --resume)."""
     pp = args.pipeline_parallel_size
     model = ({"model": "deep", "deep_width": args.deep_width, "deep_depth": args.deep_depth} if args.model == "deep"
-             else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args))})
+             else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args)),
+                   "vocab_parallel": bool(pp and args.vocab_parallel)})
     chunks = getattr(schedule_spec(args.pipeline_schedule, args.virtual_stages).factory, "virtual_stages", None)
     return {"schedule": args.pipeline_schedule if pp else None, "virtual_stages": chunks if pp else None,
             "pipeline_parallel_size": pp, "data_parallel_size": world // max(pp, 1), "placement": placement(args),
@@ -103,6 +104,10 @@ def resume_mismatch(saved, now, args):
                 if placement(_with_schedule(args, name, saved)) == saved["placement"]]
         return (f"was trained with {schedule(saved)}, whose model stages sit elsewhere than with "
                 f"{schedule(now)}: resume with --pipeline-schedule {' or '.join(same)}")
+    split = saved["model"].get("vocab_parallel", False)
+    if now["model"].get("vocab_parallel", False) != split:
+        return (f"was trained with the vocabulary head {'split over the ranks' if split else 'whole'}: "
+                f"{'pass' if split else 'drop'} --vocab-parallel")
     if now["model"] != saved["model"]:
         want = saved["model"]
         flags = (f"--model deep --deep-width {want['deep_width']} --deep-depth {want['deep_depth']}"

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
+from schedules.runtime.vocab_parallel import VocabSlice, vocab_parallel_loss
 from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
@@ -119,10 +120,23 @@ class LMHead(Linear):
         nn.init.normal_(self.weight, std=0.02)
 
 
-def layer_specs(config: GPTliteConfig):
-    """(class, args) of every layer in forward order: the one description of the layer list."""
-    return ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
-            [(nn.LayerNorm, (config.n_embd, )), (LMHead, (config, ))])
+class LMHeadSlice(VocabSlice):
+    """Rows of the vocabulary head for a split head (`vocab_parts` > 1): built under the head's own seed,
+    it takes its rows of the head GPTlite would build, so split and unsplit models start identical."""
+
+    def __init__(self, config: GPTliteConfig, part: int, parts: int):
+        super().__init__(config.n_embd, config.vocab_size, part, parts, weight=LMHead(config).weight)
+
+
+def layer_specs(config: GPTliteConfig, vocab_parts: int = 1):
+    """(class, args) of every layer in forward order: the one description of the layer list. With
+    `vocab_parts` > 1 the head is that many slices (layer indices head .. head + vocab_parts - 1), each
+    drawn from the head's seed."""
+    trunk = ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
+             [(nn.LayerNorm, (config.n_embd, ))])
+    if vocab_parts <= 1:
+        return trunk + [(LMHead, (config, ))]
+    return trunk + [(LMHeadSlice, (config, k, vocab_parts), len(trunk)) for k in range(vocab_parts)]
 
 
 class GPTlite(nn.Module):
@@ -166,12 +180,15 @@ def CrossEntropyLoss_FlatView(logits, labels):
 
 def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
-              partition_method="parameters", pipe_module=None, partition_weights=None, **config_overrides):
+              partition_method="parameters", pipe_module=None, partition_weights=None, vocab_parallel=False,
+              **config_overrides):
     """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds.
 
     `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
     or modules), for schedules that need one: several model chunks per rank (see
-    schedules.pipe_module(name)).
+    schedules.pipe_module(name)). `vocab_parallel`: the head as one slice per pipeline rank
+    (schedules/runtime/vocab_parallel.py), trained with its loss (`criterion` is not used); the
+    micro-batches' inputs must carry the labels (`with_labels`).
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
     if not pipeline_num_stages:
@@ -179,6 +196,15 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,
                        activation_checkpoint_interval=activation_checkpoint_interval,
                        partition_weights=partition_weights)
+    if vocab_parallel:
+        if pipe_module is None:
+            raise ValueError("a split vocabulary head needs a schedule whose last chunk visits every rank "
+                             "(interleaved, zb-v, dualpipev, v-half, v-min)")
+        specs = layer_specs(config, vocab_parts=pipeline_num_stages)
+        build = SeededLayerSpec if pipeline_spec_layers else build_layer
+        layers = [build(specs, i, config.seed) for i in range(len(specs))]
+        return pipe_module(layers, checkpointable=GPTlitePipe.checkpointable,
+                           **{**pipe_kwargs, "loss_fn": vocab_parallel_loss})
     if pipe_module is not None:
         specs = layer_specs(config)
         layers = ([SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))] if pipeline_spec_layers else

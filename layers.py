@@ -29,9 +29,11 @@ def seeded_init(seed: int):
 
 
 def build_layer(specs, index: int, seed: int):
-    """Layer `index` of a model described by `specs` [(class, args), ...], under its own seed."""
-    cls, args = specs[index]
-    with seeded_init(LAYER_SEED_BASE + seed + index):
+    """Layer `index` of a model described by `specs` [(class, args), ...], under its own seed; an entry
+    (class, args, seed_index) draws from layer `seed_index`'s seed instead (the slices of a split head
+    draw their rows of the unsplit head's weight)."""
+    cls, args, *seed_index = specs[index]
+    with seeded_init(LAYER_SEED_BASE + seed + (seed_index[0] if seed_index else index)):
         return cls(*args)
 
 
@@ -39,7 +41,7 @@ class SeededLayerSpec(LayerSpec):
     """A LayerSpec that builds its layer with `build_layer`, so its init matches the plain model."""
 
     def __init__(self, specs, index: int, seed: int):
-        cls, args = specs[index]
+        cls, args = specs[index][:2]
         super().__init__(cls, *args)
         self.specs, self.index, self.seed = specs, index, seed
 

@@ -63,6 +63,9 @@ def parse_args(argv=None):
            help="DeepSpeed partition method (parameters, uniform, type:Block), or profile: balanced on measured "
                 "per-layer costs")
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
+    p.flag("--vocab-parallel", action="store_true",
+           help="GPTlite: split the vocabulary head and its loss over the pipeline ranks, one slice each (with a "
+                "schedule whose last chunk visits every rank: interleaved, zb-v, dualpipev, v-half, v-min)")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
@@ -216,6 +219,8 @@ def build_model(args):
                   activation_checkpoint_interval=args.activation_checkpoint_interval)
     if args.partition_method and args.partition_method.lower() != "profile":
         common["partition_method"] = args.partition_method
+    elif args.vocab_parallel:  # the trunk's layers by count: by parameters the embedding would take a stage alone
+        common["partition_method"] = "uniform"
     if getattr(args, "partition_weights", None):  # --partition-method profile: the measured per-layer costs
         common["partition_weights"] = args.partition_weights
     import schedules
@@ -230,7 +235,8 @@ def build_model(args):
         import gptlite
         if args.n_layer:
             common["n_layer"] = args.n_layer
-        model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed, **common)
+        model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed,
+                                  vocab_parallel=bool(pp and args.vocab_parallel), **common)
         return model, gptlite.CrossEntropyLoss_FlatView
     except ValueError as e:  # e.g. a partition that leaves a model stage empty (every rank computes the same cut)
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-parallel-size {pp}: {e}") \
@@ -251,7 +257,13 @@ def export_weights(engine, args, path: str):
     dist.all_gather_object(parts, mine)
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save({k: v for part in parts for k, v in part.items()}, path)
+        weights = {k: v for part in parts for k, v in part.items()}
+        if args.pipeline_parallel_size and args.vocab_parallel:  # the unsplit model's head, as without a pipeline
+            from schedules.runtime.vocab_parallel import merge_slices
+            from validation import layer_types
+            pp = args.pipeline_parallel_size
+            weights = merge_slices(weights, len(layer_types(args)) - pp, pp)
+        torch.save(weights, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +276,7 @@ class Trainer:
         import torch.distributed as dist
         self.engine, self.criterion, self.batch_of, self.dp = engine, criterion, batch_of, dp
         self.pipelined, self.eval_batches = bool(args.pipeline_parallel_size), args.eval_batches
+        self.labels_ride = self.pipelined and args.vocab_parallel  # a split head: every slice needs the labels
         self.gas = engine.gradient_accumulation_steps()
         self.dp_rank = engine.grid.get_data_parallel_rank() if self.pipelined else dist.get_rank()
         self.samples = engine.train_micro_batch_size_per_gpu() * self.gas * dp  # per step
@@ -273,7 +286,11 @@ class Trainer:
         """This data-parallel rank's micro-batches of global batch `step`: the same set, in the same
         order, whatever the split of the world into pipeline stages and data-parallel ranks."""
         first = (step * self.dp + self.dp_rank) * self.gas
-        return [self.batch_of(split, first + j) for j in range(self.gas)]
+        batches = [self.batch_of(split, first + j) for j in range(self.gas)]
+        if self.labels_ride:
+            from schedules.runtime.vocab_parallel import with_labels
+            batches = [with_labels(x, y) for x, y in batches]
+        return batches
 
     def dp_mean(self, value):
         """Average over data-parallel ranks (non-pipelined path: every rank is one)."""

@@ -38,6 +38,7 @@ def validate(args, cfg, world: int, on_cpu: bool):
          "--virtual-stages applies to --pipeline-schedule interleaved only"
          + (" (auto chooses v itself)" if args.pipeline_schedule == "auto" else ""))
     _validate_auto(args, need)
+    _validate_vocab_parallel(args, need)
     need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
     need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     if args.model == "gptlite":
@@ -131,7 +132,8 @@ def layer_types(args):
     import gptlite
     config = gptlite.MODEL_SIZES[args.model_size]
     config = replace(config, n_layer=args.n_layer or config.n_layer)
-    return [cls.__name__ for cls, _ in gptlite.layer_specs(config)]
+    parts = args.pipeline_parallel_size if getattr(args, "vocab_parallel", False) else 1
+    return [spec[0].__name__ for spec in gptlite.layer_specs(config, vocab_parts=parts)]
 
 
 def model_stages(args):
@@ -158,6 +160,21 @@ def _validate_auto(args, need):
          "checkpointing: drop --activation-checkpoint-interval, or pass a schedule by name")
 
 
+def _validate_vocab_parallel(args, need):
+    """--vocab-parallel: GPTlite's head split over the ranks, one slice each, on a schedule whose last chunk
+    visits every rank (schedules/runtime/vocab_parallel.py)."""
+    if not args.vocab_parallel:
+        return
+    from schedules.runtime.vocab_parallel import splitting_schedules
+    pp, name = args.pipeline_parallel_size, args.pipeline_schedule
+    need(args.model == "gptlite", "--vocab-parallel splits GPTlite's vocabulary head: drop it for --model deep")
+    need(pp >= 2, f"--vocab-parallel splits the head over the pipeline ranks: it needs --pipeline-parallel-size >= 2 "
+         f"(it is {pp})")
+    supported = splitting_schedules()
+    need(name in supported, f"--vocab-parallel needs a schedule whose last chunk visits every rank, one slice of the "
+         f"head each: pass --pipeline-schedule {' | '.join(supported)} (not {name})")
+
+
 def _validate_pipeline(args, micro_batches, need):
     """The schedule's own constraints (built once for stage 0) and enough layers for its model stages."""
     from schedules.registry import schedule_spec
@@ -179,7 +196,9 @@ def _validate_pipeline(args, micro_batches, need):
              f"{args.partition_method} matches "
              f"no layer of the model (its layer classes: {', '.join(dict.fromkeys(types))})")
     stages = pp if name == "auto" else model_stages(args)  # auto: at least 1F1B's stages
-    # GPTlite's layers: the blocks, the embeddings, the final norm and the head
+    # GPTlite's layers: the blocks, the embeddings, the final norm and the head (or its pp slices, a stage each)
     size, least = ("--n-layer", stages - 3) if args.model == "gptlite" else ("--deep-depth", stages)
+    if args.vocab_parallel:
+        types, stages, least = types[:-pp], stages - pp, stages - pp - 2
     need(len(types) >= stages, f"--pipeline-schedule {name} at --pipeline-parallel-size {pp} cuts the model into "
          f"{stages} stages, but it has {len(types)} layers: pass {size} {least} or more, or fewer stages")

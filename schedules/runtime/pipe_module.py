@@ -7,11 +7,15 @@ stage's first checkpointable layer, and which can balance stages on given per-la
   stage's first layer, so on stage 0 it would glue the embedding (integer input, which
   reentrant checkpointing cannot take) to the first block and leave that group unchecked.
 - `LayerPipe`: a `PipelineModule` whose forward is `run_layers`; `partition_weights` cuts the
-  layers into stages of balanced total weight (e.g. measured per-layer times).
+  layers into stages of balanced total weight (e.g. measured per-layer times). A layer list ending in
+  a split vocabulary head (`VocabSlice`s, vocab_parallel.py) gets a model stage per slice, after the
+  stages of the trunk, and its labels ride with the activations from the first stage to the slices.
 
 The chunked module (chunked_module.py) builds on it; the models use it for their pipelines.
 """
 from deepspeed.pipe import PipelineModule
+
+from schedules.runtime.vocab_parallel import count_slices
 
 
 def run_layers(layers, x, interval: int = 0, checkpoint_fn=None, checkpointable=()):
@@ -60,6 +64,9 @@ class LayerPipe(PipelineModule):
     def _partition_layers(self, method='uniform'):
         """DeepSpeed's partition methods, plus `partition_weights`: stages of balanced total weight
         (the same balancing DeepSpeed's 'parameters' method does with parameter counts)."""
+        slices = count_slices(self._layer_specs)
+        if slices:
+            return self._partition_with_slices(method, slices)
         if self.partition_weights is None:
             return super()._partition_layers(method)
         if len(self.partition_weights) != len(self._layer_specs):
@@ -70,7 +77,45 @@ class LayerPipe(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def _partition_with_slices(self, method, slices):
+        """The split head's slices one per model stage, the last `slices` stages; the trunk (the layers
+        before them) cut over the other stages by `method` (or `partition_weights`)."""
+        stages, specs, weights = self.num_stages, self._layer_specs, self.partition_weights
+        trunk = len(specs) - slices
+        if stages - slices < 1:
+            raise ValueError(f"the vocabulary head's {slices} slices need a model stage each after the trunk's, "
+                             f"and this pipeline has {stages} model stages: use a schedule whose last chunk visits "
+                             f"every rank (interleaved, zb-v, dualpipev, v-half, v-min)")
+        self._layer_specs, self.num_stages = specs[:trunk], stages - slices
+        self.partition_weights = None if weights is None else list(weights)[:trunk]
+        try:
+            LayerPipe._partition_layers(self, method)  # not a subclass's: it would redo its own setup
+        finally:
+            self._layer_specs, self.num_stages, self.partition_weights = specs, stages, weights
+        self.parts = list(self.parts) + [trunk + k for k in range(1, slices + 1)]
+        self.carries_labels = True
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    carries_labels = False  # a split head downstream: the stage inputs end with the labels (vocab_parallel.py)
+
     def forward(self, x):
+        if self.carries_labels:
+            return self._forward_carrying_labels(x)
+        return self._forward(x)
+
+    def _forward_carrying_labels(self, x):
+        """The trunk's layers see the inputs without the labels, which go on with the outputs; the slices
+        of the head see (and pass on) the whole state."""
+        if self.forward_funcs and count_slices(self.forward_funcs) == len(self.forward_funcs):
+            for layer in self.forward_funcs:
+                x = layer(x)
+            return x
+        *inputs, labels = x
+        out = self._forward(inputs[0] if len(inputs) == 1 else tuple(inputs))
+        return (*out, labels) if isinstance(out, tuple) else (out, labels)
+
+    def _forward(self, x):
         if not self.checkpointable:
             return super().forward(x)
         interval = self.activation_checkpoint_interval

@@ -1,0 +1,146 @@
+"""The vocabulary head split over the pipeline: one slice of the output layer per rank, as layers.
+
+A language model's output layer (V x h) and its cross-entropy can be most of the model's work (GPTlite
+small: 89%), and one layer cannot be cut by DeepSpeed's partitioning, so the rank holding it works while
+the others wait. Here the head is `parts` consecutive pipeline layers, `VocabSlice` k holding rows
+[start_k, stop_k) of the weight. Each computes its logits and carries the online softmax on:
+
+    (hidden, labels)            -> slice 0   -> (hidden, lse, z, labels)
+    (hidden, lse, z, labels)    -> slice k   -> (hidden, logaddexp(lse, lse_k), z + z_k, labels)
+
+where lse_k is the log-sum-exp of the slice's logits and z_k the target's logit where the target falls
+in the slice (0 elsewhere). After the last slice lse is the log-sum-exp over the whole vocabulary and z
+the target's logit, so `vocab_parallel_loss` = mean(lse - z) is the cross-entropy, exactly up to the
+order of summation; autograd through the chain gives the exact gradients, and only point-to-point
+messages pass between the slices (no collective). No rank ever holds more than its slice's logits.
+
+On a placement whose last chunk visits every rank (the V placement of ZB-V, DualPipeV, V-Half, V-Min;
+Interleaved 1F1B's last chunk) each rank holds one slice: the head's work and its logits are shared
+by every rank. The pipeline module (pipe_module.py) gives each slice a model stage of its own, cuts the
+layers before them (the trunk) over the other stages, and carries the labels from the first stage to
+the slices: the pipeline's inputs are `(inputs, labels)` (`with_labels`), and the trunk's layers never
+see the labels.
+"""
+import torch
+
+from schedules.runtime.weight_grad import Linear
+
+
+def vocab_bounds(vocab_size, part, parts):
+    """[start, stop) of the vocabulary rows slice `part` of `parts` holds (sizes differ by at most one)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"slice {part} of {parts}: needs 0 <= part < parts")
+    base, extra = divmod(vocab_size, parts)
+    start = part * base + min(part, extra)
+    return start, start + base + (part < extra)
+
+
+class VocabSlice(Linear):
+    """Rows [start, stop) of a `vocab_size` x `width` output head (no bias): one pipeline layer of the split
+    head. Its weight gradients can be deferred to W passes (it is this package's deferrable Linear).
+
+    `weight`: the full head's (vocab_size, width) weight to take the rows from, e.g. an unsplit model's
+    initial head, so the split model starts identical to it."""
+
+    def __init__(self, width, vocab_size, part, parts, weight=None):
+        self.vocab_size, self.part, self.parts = vocab_size, part, parts
+        self.start, self.stop = vocab_bounds(vocab_size, part, parts)
+        super().__init__(width, self.stop - self.start, bias=False)
+        if weight is not None:
+            if tuple(weight.shape) != (vocab_size, width):
+                raise ValueError(f"VocabSlice: weight of shape {tuple(weight.shape)}, "
+                                 f"expected ({vocab_size}, {width})")
+            with torch.no_grad():
+                self.weight.copy_(weight[self.start:self.stop])
+
+    def forward(self, state):
+        if not isinstance(state, tuple) or len(state) not in (2, 4):
+            raise TypeError("VocabSlice takes (hidden, labels) from the layer before the head, or (hidden, lse, z, "
+                            "labels) from the slice before; its pipeline's inputs must be (inputs, labels): see "
+                            "schedules.vocab_parallel.with_labels")
+        hidden, *carry, labels = state
+        logits = super().forward(hidden).float()  # the softmax in fp32, as for an unsplit head
+        lse = torch.logsumexp(logits, dim=-1)
+        local = labels - self.start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        z = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        z = torch.where(inside, z, torch.zeros_like(z))
+        if carry:
+            lse, z = torch.logaddexp(carry[0], lse), carry[1] + z
+        return hidden, lse, z, labels
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rows {self.start}:{self.stop} (slice {self.part} of {self.parts})"
+
+
+def vocab_parallel_loss(outputs, labels=None):
+    """The cross-entropy from the last slice's (hidden, lse, z, labels): mean over tokens of lse - z (the
+    mean reduction of torch.nn.functional.cross_entropy). Use it as the PipelineModule's `loss_fn`."""
+    _, lse, z, _ = outputs
+    return (lse - z).mean()
+
+
+def with_labels(inputs, labels):
+    """A micro-batch for a pipeline with a split head: the labels ride with the inputs (to reach every
+    slice), and stay the batch's labels: `((inputs, labels), labels)`."""
+    return (inputs, labels), labels
+
+
+def is_vocab_slice(layer):
+    """Whether a layer-list entry (module, LayerSpec, or class) is a VocabSlice."""
+    cls = getattr(layer, 'typename', layer if isinstance(layer, type) else type(layer))
+    return isinstance(cls, type) and issubclass(cls, VocabSlice)
+
+
+def count_slices(layers):
+    """How many trailing entries of a layer list are VocabSlices; raises if slices are not all at the end."""
+    flags = [is_vocab_slice(layer) for layer in layers]
+    n = sum(flags)
+    if n and not all(flags[len(flags) - n:]):
+        raise ValueError("VocabSlice layers must be the last layers of the list (the head, after the trunk)")
+    return n
+
+
+def merge_slices(state, first_index, parts):
+    """A layer-indexed state dict (`"12.weight"`) with the `parts` slices at layer indices first_index ..
+    first_index + parts - 1 merged into one unsplit head at `first_index` (its `weight`, V x h)."""
+    keys = [f"{first_index + k}.weight" for k in range(parts)]
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise KeyError(f"merge_slices: no {missing} in the state")
+    merged = {k: v for k, v in state.items() if k not in keys}
+    merged[keys[0]] = torch.cat([state[k] for k in keys])
+    return merged
+
+
+def split_head_weight(state, index, parts):
+    """The inverse of merge_slices: an unsplit head's `"{index}.weight"` as `parts` slices' weights."""
+    weight = state[f"{index}.weight"]
+    split = {k: v for k, v in state.items() if k != f"{index}.weight"}
+    for k in range(parts):
+        start, stop = vocab_bounds(weight.shape[0], k, parts)
+        split[f"{index + k}.weight"] = weight[start:stop].clone()
+    return split
+
+
+
+def splits_vocabulary(spec, ranks=2):
+    """Whether registry row `spec` can run a split head at `ranks` ranks: our chunked engine, one stream of
+    micro-batches, and a last chunk whose `ranks` model stages sit on `ranks` different ranks, after at least
+    one stage of the trunk (the V placement, interleaved)."""
+    from schedules.placement import ChunkedPlacement
+    from schedules.registry import CHUNKED
+    if spec.engine != CHUNKED or not issubclass(spec.placement, ChunkedPlacement):
+        return False
+    where = spec.placement(ranks)
+    if any(where.direction(c) is not None for c in range(where.chunks)):
+        return False  # the mirror: two copies of every stage, two streams
+    stages = where.num_model_stages
+    last = {where.owner(s)[0] for s in range(stages - ranks, stages)}
+    return stages > ranks and len(last) == ranks
+
+
+def splitting_schedules(ranks=2):
+    """The registered schedule names that run a split head."""
+    from schedules.registry import SCHEDULES
+    return [name for name, spec in SCHEDULES.items() if splits_vocabulary(spec, ranks)]

@@ -1,0 +1,177 @@
+"""The vocabulary head split over the pipeline ranks (`--vocab-parallel`, schedules/runtime/vocab_parallel.py).
+
+- The slices' chained online softmax is the cross-entropy of the unsplit head: same loss and gradients in
+  one process (fast tier).
+- Through train.py, every schedule that runs it trains GPTlite as the non-pipelined model does (losses,
+  validation losses and weights after two plain-SGD steps, within 1e-5; the slices exported as the unsplit
+  head): p = 2 and 4, both builds, activation checkpointing, ZeRO 0 and 1, data parallelism, interlocked
+  steps, a resumed run; bf16 runs.
+- A user's own model (tests/vocab_parallel_probe.py) with the library's slices equals its unsplit self.
+- The schedules that cannot run it are refused in one line naming those that can.
+"""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from local_launch import launch
+from training import TINY, TINY_CHUNKED, TOL, assert_one_error_line, assert_same_training, run_in_process, train
+
+SPLITTING = ["interleaved", "zb-v", "dualpipev", "v-half", "v-min"]
+
+
+# --- one process --------------------------------------------------------------------------------
+def _models(parts, seed=3):
+    import gptlite
+    from layers import build_layer
+    config = replace(gptlite.MODEL_SIZES["tiny"], seed=seed)
+    specs = gptlite.layer_specs(config, vocab_parts=parts)
+    return gptlite.GPTlite(config), [build_layer(specs, i, seed) for i in range(len(specs))], config
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_split_head_is_the_cross_entropy_of_the_unsplit_head(parts):
+    import gptlite
+    from layers import layer_state_dict
+    from schedules.runtime.vocab_parallel import merge_slices, vocab_parallel_loss
+    plain, layers, config = _models(parts)
+    trunk = len(layers) - parts
+    # the split model starts as the unsplit one: its slices are the rows of the same head
+    assert merge_slices(layer_state_dict(layers), trunk, parts).keys() == layer_state_dict(plain.to_layers()).keys()
+    for name, value in merge_slices(layer_state_dict(layers), trunk, parts).items():
+        assert torch.equal(value, layer_state_dict(plain.to_layers())[name]), name
+    g = torch.Generator().manual_seed(0)
+    idx, labels = (torch.randint(0, config.vocab_size, (2, config.block_size), generator=g) for _ in range(2))
+    ref = gptlite.CrossEntropyLoss_FlatView(plain(idx), labels)
+    x = idx
+    for layer in layers[:trunk]:
+        x = layer(x)
+    state = (x, labels)
+    for layer in layers[trunk:]:
+        state = layer(state)
+        assert state[1].shape == labels.shape  # what travels on: per-token statistics, never the logits
+    loss = vocab_parallel_loss(state, labels)
+    ref.backward()
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    head = torch.cat([s.weight.grad for s in layers[trunk:]])
+    assert (head - plain.lm_head.weight.grad).abs().max() < 1e-7
+    assert (layers[0].tok_emb.weight.grad - plain.emb.tok_emb.weight.grad).abs().max() < 1e-7
+    assert plain.lm_head.weight.grad.abs().max() > 1e-4  # the comparison compares something
+
+
+def test_slices_cover_the_vocabulary_once():
+    from schedules.runtime.vocab_parallel import merge_slices, split_head_weight, vocab_bounds
+    for vocab, parts in ((50257, 2), (50257, 4), (37, 3), (8, 8)):
+        bounds = [vocab_bounds(vocab, k, parts) for k in range(parts)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+    state = {"0.weight": torch.randn(5, 3), "3.weight": torch.randn(37, 4)}
+    assert torch.equal(merge_slices(split_head_weight(state, 3, 3), 3, 3)["3.weight"], state["3.weight"])
+    with pytest.raises(ValueError):
+        vocab_bounds(10, 2, 2)
+
+
+def test_the_schedules_that_split_the_head():
+    from schedules.runtime.vocab_parallel import count_slices, splitting_schedules
+    assert splitting_schedules(2) == splitting_schedules(4) == SPLITTING
+    from schedules.runtime.vocab_parallel import VocabSlice
+    with pytest.raises(ValueError, match="last layers"):
+        count_slices([VocabSlice(4, 10, 0, 2), torch.nn.Linear(4, 4)])
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--pipeline-schedule", "zb-h1"], "--vocab-parallel needs a schedule whose last chunk visits every rank, one "
+     "slice of the head each: pass --pipeline-schedule interleaved | zb-v | dualpipev | v-half | v-min (not zb-h1)"),
+    (["--pipeline-schedule", "dualpipe"], "(not dualpipe)"),
+    (["--pipeline-schedule", "1f1b"], "(not 1f1b)"),
+    (["--pipeline-schedule", "dualpipev-deepspeed"], "(not dualpipev-deepspeed)"),
+    (["--pipeline-parallel-size", "0"], "--vocab-parallel splits the head over the pipeline ranks: it needs "
+     "--pipeline-parallel-size >= 2"),
+    (["--pipeline-schedule", "zb-v", "--model", "deep"], "--vocab-parallel splits GPTlite's vocabulary head"),
+])
+def test_schedules_that_cannot_split_the_head_are_refused(flags, expected, monkeypatch, capsys):
+    argv = [*TINY, "--pipeline-parallel-size", "2", *flags, "--vocab-parallel"]
+    status, stderr, _ = run_in_process(argv, monkeypatch, capsys, world=2)
+    assert_one_error_line(status, stderr, expected)
+
+
+def test_resume_names_the_flag_when_the_head_changes():
+    import argparse
+
+    from checkpoints import resume_mismatch
+    record = {"pipeline_parallel_size": 2, "data_parallel_size": 1, "placement": "V", "schedule": "zb-v",
+              "model": {"model": "gptlite", "model_size": "tiny", "layers": 8, "vocab_parallel": True},
+              "partition_method": "parameters", "zero_stage": 1, "optimizer": "AdamW", "bf16": False}
+    whole = {**record, "model": {**record["model"], "layers": 7, "vocab_parallel": False}}
+    args = argparse.Namespace()
+    assert resume_mismatch(record, whole, args) == "was trained with the vocabulary head split over the ranks: " \
+                                                   "pass --vocab-parallel"
+    assert resume_mismatch(whole, record, args) == "was trained with the vocabulary head whole: drop --vocab-parallel"
+    assert resume_mismatch(record, record, args) is None
+
+
+# --- real ranks ---------------------------------------------------------------------------------
+# (ranks, flags, model, micro-batches, ZeRO stage): every schedule that splits the head, p = 2 and 4
+CASES = {
+    "zb-v-pp2-interlock2": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--interlock", "2"],
+                            TINY, 8, 0),
+    "dualpipev-pp2-spec": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+                               "--pipeline-spec-layers"], TINY, 8, 1),
+    "interleaved-pp2-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "interleaved"], TINY, 8, 0),
+    "v-half-pp2-ckpt1": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "v-half",
+                             "--activation-checkpoint-interval", "1"], TINY, 8, 1),
+    "v-min-pp2-spec-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "v-min",
+                                 "--pipeline-spec-layers"], TINY, 8, 0),
+    "zb-v-pp4-spec": (4, ["--pipeline-parallel-size", "4", "--pipeline-schedule", "zb-v", "--pipeline-spec-layers"],
+                      TINY_CHUNKED, 8, 1),
+    "interleaved-pp4-zero0": (4, ["--pipeline-parallel-size", "4", "--pipeline-schedule", "interleaved"],
+                              TINY_CHUNKED, 8, 0),
+    "zb-v-pp2xdp2": (4, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v"], TINY, 8, 1),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CASES)
+def test_split_head_trains_as_the_non_pipelined_model(case, sgd_config, references, tmp_path):
+    nprocs, flags, model, micro_batches, zero = CASES[case]
+    dp = nprocs // int(flags[1])
+    result = train(tmp_path, nprocs, [*flags, "--vocab-parallel"], sgd_config(zero), micro_batches, dp=dp,
+                   model=model)
+    assert_same_training(result, references(micro_batches, model=model, zero=zero))
+
+
+@pytest.mark.multiprocess
+def test_user_model_with_the_library_slices_equals_its_unsplit_self():
+    for ranks, args in ((2, ["zb-v", "interleaved", "dualpipev"]), (4, ["zb-v", "--micro-batches", "8"])):
+        done = launch(ranks, args, script="tests/vocab_parallel_probe.py", timeout=300)
+        assert done.ok, done.explain()
+        results = [json.loads(line) for line in done.stdout[0].splitlines() if line.startswith("{")]
+        assert [r["schedule"] for r in results] == [a for a in args if not a.startswith("-") and not a.isdigit()]
+        for r in results:
+            assert r["missing"] == [], r
+            assert r["moved"] > 100 * TOL, r
+            assert r["loss_diff"] < TOL and r["val_loss_diff"] < TOL and r["weight_diff"] < TOL, r
+
+
+@pytest.mark.multiprocess
+def test_split_head_resumes_and_trains_in_bf16(tmp_path):
+    """A checkpoint of the split model resumes with the same next loss; bf16 (DeepSpeed's BF16 optimizer,
+    ZeRO 1) trains it within bf16's precision of fp32."""
+    run = [*TINY, "--steps", "3", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
+           "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--vocab-parallel", "--dist-timeout", "120"]
+    flags = run + ["--save-dir", tmp_path / "ckpt", "--save-interval", "2"]
+    full = launch(2, flags + ["--metrics-file", tmp_path / "full.jsonl"])
+    assert full.ok, full.explain()
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
+    assert resumed.ok, resumed.explain()
+    bf16 = launch(2, run + ["--bf16", "--metrics-file", tmp_path / "bf16.jsonl"])
+    assert bf16.ok, bf16.explain()
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+    assert losses("resumed.jsonl") == pytest.approx(losses("full.jsonl")[2:], abs=TOL)
+    assert losses("bf16.jsonl") == pytest.approx(losses("full.jsonl"), abs=0.05)
