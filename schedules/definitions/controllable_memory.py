@@ -148,17 +148,104 @@ def _peak(slots):
     """Peak chunk activations alive on a rank. Without weight passes in `slots`, each free slot that
     owes a W frees one activation (as W would there)."""
     with_w = any(kind[0] == W for kind in slots)
-    events = {t: kind for t, kind, _ in _events(slots)}
+    events = {}  # slot -> kind; of two passes in one slot the greater kind counts, as in slot order the last
+    for kind, ts in slots.items():
+        for t in ts:
+            other = events.get(t)
+            if other is None or kind > other:
+                events[t] = kind
     alive = peak = owed = 0
-    for t in range(max(events) + 1):
-        kind = events.get(t)
-        if kind is not None:
-            alive += _MEMORY[kind[0]]
-            owed += kind[0] == B
-        elif not with_w and owed:
-            alive, owed = alive - 1, owed - 1
-        peak = max(peak, alive)
+    last = -1
+    for t in sorted(events):  # the slots between two passes are free: each frees an owed W's activation
+        if owed and not with_w and t - last > 1:
+            freed = min(owed, t - last - 1)
+            alive, owed = alive - freed, owed - freed
+        kind = events[t][0]
+        alive += _MEMORY[kind]
+        owed += kind == B
+        if alive > peak:
+            peak = alive
+        last = t
     return peak
+
+
+_NONE = -(1 << 60)  # minus infinity in _PeakTree's integer arithmetic
+
+
+class _PeakTree:
+    """What `_peak` computes for one rank, kept up to date as single passes move (a segment tree over the slots),
+    so that step 4 and 5 test each candidate slot in O(log slots) rather than rescanning the rank.
+
+    A run of slots maps the state (alive, owed) on entry to the state on exit, and its highest `alive`, by five
+    numbers: owed' = max(owed + c, k); alive' = alive + e + max(c, k - owed); highest = alive + max(x, y - owed).
+    A pass adds its activations (e = its memory, and a B owes one W: c = 1); without weight passes in the rank's
+    slots a free slot frees one owed W (c = -1, k = 0, x = -1, y = 0), else it changes nothing. Two runs compose
+    into one (`_join`), so the root answers for the whole rank, as `_peak` from its first slot to its last.
+    Only for a rank whose passes sit in distinct slots (`exact`); `_reorder` falls back to `_peak` otherwise."""
+
+    def __init__(self, rank_slots):
+        with_w = any(kind[0] == W for kind in rank_slots)
+        self.free = (0, -1, 0, -1, 0) if not with_w else (0, 0, _NONE, 0, _NONE)  # (e, c, k, x, y)
+        self.exact = True
+        self.kind_at = {}
+        for kind, ts in rank_slots.items():
+            for t in ts:
+                if t in self.kind_at:
+                    self.exact = False
+                self.kind_at[t] = kind
+        size = 1
+        while size < max(self.kind_at) + 2:
+            size *= 2
+        self.size = size
+        node = self.node = [self.free] * (2 * size)
+        for t, kind in self.kind_at.items():
+            node[size + t] = self._leaf(kind)
+        join = self._join
+        for i in range(size - 1, 0, -1):
+            node[i] = join(node[2 * i], node[2 * i + 1])
+
+    @staticmethod
+    def _leaf(kind):
+        d, owes = _MEMORY[kind[0]], int(kind[0] == B)
+        return d - owes, owes, _NONE, d, _NONE
+
+    @staticmethod
+    def _join(a, b):
+        e1, c1, k1, x1, y1 = a
+        e2, c2, k2, x2, y2 = b
+        kb = k1 + c2
+        xb = e1 + c1 + x2
+        yb = e1 + k1 + x2
+        y2 += e1
+        return e1 + e2, c1 + c2, kb if kb > k2 else k2, xb if xb > x1 else x1, max(y1, y2, yb)
+
+    def _set(self, t, leaf):
+        i = self.size + t
+        node = self.node
+        node[i] = leaf
+        while i > 1:  # _join, inlined: this is the hot loop of steps 4 and 5
+            e1, c1, k1, x1, y1 = node[i & ~1]
+            e2, c2, k2, x2, y2 = node[i | 1]
+            i //= 2
+            kb, xb, yb = k1 + c2, e1 + c1 + x2, e1 + k1 + x2
+            y2 += e1
+            if y1 > y2:
+                y2 = y1
+            node[i] = (e1 + e2, c1 + c2, kb if kb > k2 else k2, xb if xb > x1 else x1, yb if yb > y2 else y2)
+
+    def move(self, old, new):
+        """The pass in slot `old` now sits in slot `new` (a free one)."""
+        if old == new:
+            return
+        kind = self.kind_at.pop(old)
+        self.kind_at[new] = kind
+        self._set(old, self.free)
+        self._set(new, self._leaf(kind))
+
+    def peak(self):
+        """_peak of the rank's slots: from alive = owed = 0, the highest alive, at least 0."""
+        _, _, _, x, y = self.node[1]
+        return max(0, x, y)
 
 
 def _earliest(slots, rank, kind, mb):
@@ -208,6 +295,7 @@ def _reorder(slots, with_w, m):
     if with_w:
         slots = [_place_w(s, split=False) for s in slots]
     limit = max(_peak(s) for s in slots)
+    trees = [_PeakTree(s) for s in slots]
     taken = [set() for _ in slots]
     phase = "warm-up"
     for t, rank, _, mb, kind in _in_slot_order(slots):
@@ -222,12 +310,17 @@ def _reorder(slots, with_w, m):
             taken[rank].add(t)
             continue
         times = slots[rank][kind] = list(slots[rank][kind])
+        tree = trees[rank]
         for earlier in range(_earliest(slots, rank, kind, mb), t):
             if earlier not in taken[rank]:
+                if tree.exact:
+                    tree.move(times[mb], earlier)
                 times[mb] = earlier
-                if _peak(slots[rank]) <= limit:
+                if (tree.peak() if tree.exact else _peak(slots[rank])) <= limit:
                     break
         else:
+            if tree.exact:
+                tree.move(times[mb], t)
             times[mb] = t
         taken[rank].add(times[mb])
     if not with_w:
