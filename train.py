@@ -21,7 +21,6 @@ import os
 import socket
 import sys
 import time
-from datetime import timedelta
 
 import planning
 from checkpoints import NamedFiles, check_resume, load_checkpoint, run_record, save_checkpoint
@@ -196,18 +195,10 @@ def micro_batch_source(args, micro_batch_size: int, bf16: bool):
 # Distributed: the process group, and what ranks tell each other outside it
 # ---------------------------------------------------------------------------------------------
 def init_distributed(args, on_cpu):
-    """gloo on CPU, nccl on GPUs. On CPU, DeepSpeed's shared-memory all-reduce op maps a 66 MB buffer per
-    rank under /dev/shm when LOCAL_SIZE (which the deepspeed launcher sets) equals the world size, and
-    nothing removes it when a rank dies. The op serves only inference_all_reduce (tensor-parallel
-    inference), never training's all-reduce (gloo), so it is not given LOCAL_SIZE: it creates nothing."""
-    import deepspeed
-    hidden = os.environ.pop("LOCAL_SIZE", None) if on_cpu else None
-    try:
-        deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl",
-                                   timeout=timedelta(seconds=args.dist_timeout))
-    finally:
-        if hidden is not None:
-            os.environ["LOCAL_SIZE"] = hidden
+    """gloo on CPU, nccl on GPUs, --dist-timeout; no shared-memory buffer left in /dev/shm on CPU
+    (schedules.init_distributed)."""
+    import schedules
+    schedules.init_distributed(timeout=args.dist_timeout, dist_backend="gloo" if on_cpu else "nccl")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,16 +4,17 @@ as a DeepSpeed PipelineModule layer list, trained with the schedule you name.
     deepspeed --num_gpus 2 examples/own_model.py --schedule zb-v      # on CPU: 2 ranks over gloo
     torchrun --nproc_per_node 4 examples/own_model.py --schedule dualpipe --micro-batches 8
 
-What it shows: `schedules.pipeline_module` builds the PipelineModule the schedule needs from an ordinary
-layer list (LayerSpecs, a TiedLayerSpec embedding reused as the output head, activation checkpointing by
-class name); `schedules.initialize` builds the engine and makes the plain nn.Linear layers' weight
-gradients deferrable to W passes (no change to the model); `engine.train_batch` trains. The task is
-learnable on purpose: each sequence counts up by a step of its own, so the loss falls within a few steps.
+What it shows: `schedules.init_distributed` starts the process group (gloo on CPU, nccl on GPUs), leaving
+none of DeepSpeed's CPU shared-memory buffers in /dev/shm; `schedules.pipeline_module` builds the
+PipelineModule the schedule needs from an ordinary layer list (LayerSpecs, a TiedLayerSpec embedding reused
+as the output head, activation checkpointing by class name); `schedules.initialize` builds the engine and
+makes the plain nn.Linear layers' weight gradients deferrable to W passes (no change to the model);
+`engine.train_batch` trains. The task is learnable on purpose: each sequence counts up by a step of its own,
+so the loss falls within a few steps.
 """
 import argparse
 import os
 
-import deepspeed
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -71,10 +72,9 @@ def main():
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_args()
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
+    if not torch.cuda.is_available():
         torch.set_num_threads(1)  # ranks share the cores
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    schedules.init_distributed()  # deepspeed.init_distributed, leaving nothing in /dev/shm
     stages = int(os.environ["WORLD_SIZE"])
     model = schedules.pipeline_module(args.schedule, layers(args.depth), num_stages=stages, loss_fn=loss_fn,
                                       partition_method="uniform", activation_checkpoint_interval=1,

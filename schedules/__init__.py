@@ -24,7 +24,9 @@ draws the data flow and gives the reading paths.
 `choose(profile, stages, micro_batches, ...)` ranks the schedules for a run from a measured profile
 (`train.py --pipeline-schedule auto` uses it; docs/choosing.md).
 
-`initialize(schedule, ...)` is the one entry point that builds the engine a schedule needs and
+`init_distributed(timeout=...)` starts the process group as `deepspeed.init_distributed` does, without
+leaving DeepSpeed's CPU shared-memory buffers in /dev/shm. `initialize(schedule, ...)` is the one entry
+point that builds the engine a schedule needs and
 returns what `deepspeed.initialize` returns: `deepspeed.initialize` cannot be told which engine
 class to build. `pipeline_module(schedule, layers, ...)` builds the PipelineModule the schedule needs from
 your layer list (`pipe_module(schedule)`: what builds it).
@@ -45,15 +47,56 @@ def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=None
     return rank(profile, stages, micro_batches, max_activation_memory, cuts=cuts or CUTS)
 
 
+def init_distributed(timeout=None, dist_backend=None, **kwargs):
+    """`deepspeed.init_distributed(...)` for training: gloo on CPU, the accelerator's backend (nccl) on
+    GPUs, `timeout` in seconds (or a timedelta; None: DeepSpeed's default) before a stuck collective fails.
+    Other keyword arguments go to deepspeed.init_distributed. Call it instead of deepspeed.init_distributed.
+
+    On CPU, DeepSpeed's shared-memory all-reduce op maps a 66 MB buffer per rank under /dev/shm when
+    LOCAL_SIZE (which the deepspeed launcher sets) equals the world size, and nothing removes it, at a
+    normal exit or when a rank dies. The op serves only inference_all_reduce (tensor-parallel inference),
+    never training's collectives (gloo), so it is initialised without LOCAL_SIZE: it creates nothing."""
+    global _SHARED_MEMORY_AVOIDED
+    import os
+    from datetime import timedelta
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    on_cpu = get_accelerator().device_name() == "cpu"
+    if dist_backend is None:
+        dist_backend = "gloo" if on_cpu else get_accelerator().communication_backend_name()
+    if timeout is not None:
+        kwargs["timeout"] = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    hidden = os.environ.pop("LOCAL_SIZE", None) if on_cpu else None
+    try:
+        deepspeed.init_distributed(dist_backend=dist_backend, **kwargs)
+    finally:
+        if hidden is not None:
+            os.environ["LOCAL_SIZE"] = hidden
+    _SHARED_MEMORY_AVOIDED = True
+
+
+_SHARED_MEMORY_AVOIDED = False  # init_distributed started the process group: DeepSpeed mapped no buffer
+
+
 def pipeline_module(schedule, layers, virtual_stages=None, **kwargs):
     """The PipelineModule that `schedule` needs, over your layer list: LayerSpecs, TiedLayerSpecs,
     modules and callables, as deepspeed.pipe.PipelineModule takes them, with every PipelineModule
     argument (`num_stages`, `loss_fn`, `partition_method`, `seed_layers`, `base_seed`,
     `activation_checkpoint_interval`, `checkpointable_layers`, ...). Train it with `initialize(schedule, ...)`.
+
+    Built without autograd recording: PipelineModule's constructor broadcasts each tied weight from its
+    first stage in place (`_synchronize_tied_weights`), and under grad mode autograd's fallback for
+    c10d::broadcast_ (it has no autograd kernel) hooks a warning onto the weight that every backward
+    through it printed ("an autograd kernel was not registered ... silently incorrect behavior"). The
+    hook passed the gradient on unchanged; without it nothing is recorded, and nothing is to be.
     """
+    import torch
+
     from schedules.runtime.pipe_module import LayerPipe
     build = pipe_module(schedule, virtual_stages) or LayerPipe
-    return build(layers=layers, **kwargs)
+    with torch.no_grad():
+        return build(layers=layers, **kwargs)
 
 
 def pipe_module(schedule, virtual_stages=None):
@@ -92,6 +135,7 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
         built = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                      config=config, **kwargs)
         _warn_first_stage_clipping(built[0], spec)
+        _remove_shared_memory_buffer()
         return built
     if not isinstance(model, PipelineModule):
         raise ValueError(f"pipeline schedule '{schedule}' needs a PipelineModule (--pipeline-parallel-size >= 2)")
@@ -119,7 +163,32 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
         _report_deferral(engine, spec, *deferrable)
     else:
         _warn_first_stage_clipping(engine, spec)
+    _remove_shared_memory_buffer()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _remove_shared_memory_buffer():
+    """A process group started by deepspeed.init_distributed itself (not init_distributed above) under the
+    deepspeed launcher on CPU has mapped this rank's 66 MB buffer under /dev/shm, which DeepSpeed never
+    removes. Once every rank has opened every buffer (they do so within deepspeed.init_distributed: the
+    barrier makes sure), the name is removed: the op keeps its mapping, the memory goes with the process,
+    whether it exits or is killed. Named as csrc/cpu/comm/shm.cpp names it."""
+    import os
+
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+    if _SHARED_MEMORY_AVOIDED or not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return
+    world = dist.get_world_size()
+    if os.environ.get("LOCAL_SIZE") != str(world):  # the op's own test (shm_interface.cpp), alike on every rank
+        return
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
 
 
 def _warn_first_stage_clipping(engine, spec):
