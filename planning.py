@@ -37,7 +37,8 @@ def layer_builders(args):
     else:
         import gptlite
         config = gptlite.MODEL_SIZES[args.model_size]
-        config = replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed)
+        config = replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
+                         block_size=getattr(args, "block_size", None) or config.block_size)
         specs, seed = gptlite.layer_specs(config), config.seed
     return [(cls.__name__, lambda i=i: build_layer(specs, i, seed)) for i, (cls, _) in enumerate(specs)]
 

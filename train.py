@@ -68,6 +68,7 @@ def parse_args(argv=None):
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
+    p.flag("--block-size", type=int, default=None, help="GPTlite: override the size's context length (tokens)")
     p.flag("--deep-width", type=int, default=256, help="deep model: width of each Linear")
     p.flag("--deep-depth", type=int, default=16, help="deep model: number of Linear+ReLU blocks")
     p.flag("--dropout", type=float, default=0.0)
@@ -90,6 +91,8 @@ def parse_args(argv=None):
     p.flag("--export", default=None, help="write the trained weights, keyed by layer index, to this .pt file")
     p.flag("--trace", default=None, help="write a Chrome trace (Perfetto) of the last --trace-steps steps here")
     p.flag("--trace-steps", type=int, default=3, help="how many of the last steps --trace records")
+    p.flag("--trace-memory", action="store_true",
+           help="--trace also counts the bytes saved for backward per rank (a counter track and each step's peak)")
     p.flag("--interlock", type=int, default=1,
            help="pipeline steps run back to back per call (engine.train_batches): each stage steps and goes on "
                 "without waiting for the others; clipping post-validated. 1 = one step per call")
@@ -187,7 +190,7 @@ def micro_batch_source(args, micro_batch_size: int, bf16: bool):
     import data
     from gptlite import MODEL_SIZES
     tokens = data.load_tokens(args.dataset, args.data_file)
-    windows = data.TokenWindows(tokens, MODEL_SIZES[args.model_size].block_size)
+    windows = data.TokenWindows(tokens, args.block_size or MODEL_SIZES[args.model_size].block_size)
     return lambda split, index: windows.micro_batch(split, index, micro_batch_size, args.seed)
 
 
@@ -226,6 +229,8 @@ def build_model(args):
         import gptlite
         if args.n_layer:
             common["n_layer"] = args.n_layer
+        if args.block_size:
+            common["block_size"] = args.block_size
         model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed,
                                   vocab_parallel=bool(pp and args.vocab_parallel), **common)
         return model, gptlite.CrossEntropyLoss_FlatView
@@ -404,7 +409,8 @@ def train(args, trainer, start, progress, record):
         progress.log({"step": 0, "val_loss": trainer.evaluate()})
     trace = RunTrace(engine, args.trace, steps=range(max(start, args.steps - args.trace_steps), args.steps),
                      meta={"schedule": args.pipeline_schedule, "stages": args.pipeline_parallel_size,
-                           "model": args.model})
+                           "model": args.model, "vocab_parallel": bool(args.vocab_parallel)},
+                     memory=args.trace_memory)
     step = start
     while step < args.steps:
         count = interlocked_steps(args, step)

@@ -25,7 +25,8 @@ def validate(args, cfg, world: int, on_cpu: bool):
                                ("--log-interval", args.log_interval, 1), ("--save-interval", args.save_interval, 0),
                                ("--trace-steps", args.trace_steps, 1), ("--dist-timeout", args.dist_timeout, 1),
                                ("--activation-checkpoint-interval", args.activation_checkpoint_interval, 0),
-                               ("--n-layer", args.n_layer, 1), ("--deep-width", args.deep_width, 1),
+                               ("--n-layer", args.n_layer, 1), ("--block-size", args.block_size, 1),
+                               ("--deep-width", args.deep_width, 1),
                                ("--deep-depth", args.deep_depth, 1), ("--pipeline-parallel-size",
                                                                       args.pipeline_parallel_size, 0)):
         need(value is None or value >= least, f"{flag} {value} is below {least}: pass {flag} N with N >= {least}")
@@ -40,6 +41,7 @@ def validate(args, cfg, world: int, on_cpu: bool):
     _validate_auto(args, need)
     _validate_vocab_parallel(args, need)
     need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
+    need(not args.trace_memory or args.trace, "--trace-memory counts memory in the traced steps: add --trace PATH")
     need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     if args.model == "gptlite":
         from gptlite import MODEL_SIZES

@@ -230,3 +230,14 @@ def _report_deferral(engine, spec, layers, elements, total):
     in_place = ", added into .grad by their multiply (ZeRO 0, fp32)" if getattr(engine, '_in_place', False) else ""
     print(f"{where}: the weight gradients of {layers} linear layers, {elements / total:.0%} of the stage's trainable "
           f"parameters, are deferrable to W passes{in_place}", file=sys.stderr, flush=True)
+
+
+# The split vocabulary head (schedules/runtime/vocab_parallel.py), imported on first use: it imports torch.
+_VOCAB_PARALLEL = ("VocabSlice", "vocab_parallel_loss", "with_labels", "merge_slices", "splitting_schedules")
+
+
+def __getattr__(name):
+    if name in _VOCAB_PARALLEL:
+        from schedules.runtime import vocab_parallel
+        return getattr(vocab_parallel, name)
+    raise AttributeError(f"module 'schedules' has no attribute {name!r}")

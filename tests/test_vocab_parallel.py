@@ -159,7 +159,7 @@ def test_user_model_with_the_library_slices_equals_its_unsplit_self():
 @pytest.mark.multiprocess
 def test_split_head_resumes_and_trains_in_bf16(tmp_path):
     """A checkpoint of the split model resumes with the same next loss; bf16 (DeepSpeed's BF16 optimizer,
-    ZeRO 1) trains it within bf16's precision of fp32."""
+    ZeRO 1) trains it within bf16's precision of fp32, traced with its activation memory."""
     run = [*TINY, "--steps", "3", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
            "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--vocab-parallel", "--dist-timeout", "120"]
     flags = run + ["--save-dir", tmp_path / "ckpt", "--save-interval", "2"]
@@ -168,10 +168,39 @@ def test_split_head_resumes_and_trains_in_bf16(tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
     assert resumed.ok, resumed.explain()
-    bf16 = launch(2, run + ["--bf16", "--metrics-file", tmp_path / "bf16.jsonl"])
+    trace = tmp_path / "bf16.trace.json"
+    bf16 = launch(2, run + ["--bf16", "--metrics-file", tmp_path / "bf16.jsonl", "--trace", trace, "--trace-memory"])
     assert bf16.ok, bf16.explain()
+    from schedules.observe.trace import peak_saved_bytes
+    peaks = peak_saved_bytes(trace)  # --trace-memory: each rank's activation memory, slices' logits included
+    slice_logits = 2 * 32 * (50257 // 2) * 4  # a micro-batch's exponentials of one slice, fp32
+    assert sorted(peaks) == [0, 1] and all(slice_logits <= b < 8 * slice_logits for b in peaks.values()), peaks
+    counters = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "C"]
+    assert {e["pid"] for e in counters} == {0, 1}
 
     def losses(name):
         return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
     assert losses("resumed.jsonl") == pytest.approx(losses("full.jsonl")[2:], abs=TOL)
     assert losses("bf16.jsonl") == pytest.approx(losses("full.jsonl"), abs=0.05)
+
+
+def test_benchmark_summary():
+    """scripts/benchmark_vocab_parallel.py's rows: medians, speed-ups over one process and the best whole head."""
+    import importlib.util
+
+    from local_launch import ROOT
+    spec = importlib.util.spec_from_file_location("benchmark_vocab_parallel",
+                                                  ROOT / "scripts" / "benchmark_vocab_parallel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    traced = {"span_s": [0.5], "predicted_span_s": [0.55], "busy_s": [[0.4, 0.45]], "peak_saved_bytes": [10, 12]}
+    rows = bench.summarise({bench.ONE_PROCESS: [{"steps": [1.0, 1.2, 1.1], "loss": 9.0}],
+                            "zb-v": [{"steps": [0.9], "loss": 9.0, **traced}],
+                            "1f1b": [{"steps": [0.8], "loss": 9.0, **traced}],
+                            "zb-v +vocab": [{"steps": [0.5, 0.6, 0.55], "loss": 9.0, **traced}]})
+    assert rows["zb-v +vocab"]["iter_s"] == 0.55
+    assert rows["zb-v +vocab"]["speedup_vs_one_process"] == pytest.approx(1.1 / 0.55)
+    assert rows["zb-v +vocab"]["speedup_vs_best_whole"] == pytest.approx(0.8 / 0.55)
+    assert rows["1f1b"]["busy_s"] == [0.4, 0.45] and rows["1f1b"]["peak_saved_bytes"] == [10, 12]
+    lines = bench.table(rows, bench.parse_args([]), "machine")
+    assert lines[3].split()[:3] == ["zb-v", "+vocab", "550"]  # fastest first

@@ -38,6 +38,8 @@ class Tracer:
         self.other = []  # (name, start, end, iteration) of the other instructions (loads, ReduceGrads, OptimizerStep)
         self.memory = None  # optional: a SavedTensorTracker whose live bytes each pass changes
         self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
+        self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
+        self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
         self.iteration = 0
         self.active = False
         self._pair = 0
@@ -68,6 +70,7 @@ class Tracer:
     def record(self, kind, chunk, buffer_id, start, end, pair=None, live=(None, None)):
         if live[0] is not None:
             self.memory_deltas.append((chunk, kind, live[1] - live[0]))
+            self.memory_samples.append((end - self.origin, live[1]))
         mb = self._micro_batch(kind, chunk, buffer_id)
         self.passes.append(Pass(kind, self.placement.stage(self.rank, chunk), chunk, mb, start - self.origin,
                                 end - self.origin, self.placement.direction(chunk), pair, self.iteration))
@@ -156,6 +159,12 @@ def write_chrome_trace(tracers, path, meta):
                            "dur": p.duration * 1e6, "args": {"kind": p.kind, "stage": p.stage, "chunk": p.chunk,
                                                               "micro_batch": p.micro_batch, "direction": p.direction,
                                                               "pair": p.pair, "iteration": p.iteration}})
+        for seconds, live in t.memory_samples:  # a counter track per rank: what autograd keeps for backward
+            events.append({"name": "saved for backward", "ph": "C", "pid": t.rank, "ts": seconds * 1e6,
+                           "args": {"MiB": live / 2**20}})
+        if t.peak_bytes:
+            events.append({"name": "peak_saved_bytes", "ph": "M", "pid": t.rank,
+                           "args": {str(i): b for i, b in sorted(t.peak_bytes.items())}})
         for tid, cat, records in ((1, "p2p", t.p2p), (2, "other", t.other)):
             for name, start, end, iteration in records:
                 events.append({"name": name, "cat": cat, "ph": "X", "pid": t.rank, "tid": tid, "ts": start * 1e6,
@@ -169,15 +178,21 @@ class RunTrace:
 
     `engine` must be built traced (`schedules.initialize(..., trace=True)`); with `path` None
     nothing is traced and `step()` costs nothing. `meta` goes into the file (schedule, stages, ...).
+    `memory=True` also counts the bytes autograd saves for backward during the traced steps (a
+    SavedTensorTracker: the parameters left out): a counter track per rank, and each step's peak
+    (`peak_saved_bytes(path)`); the hooks slow the traced steps a little.
     """
 
-    def __init__(self, engine, path, steps, meta):
+    def __init__(self, engine, path, steps, meta, memory=False):
         self.engine, self.path, self.steps, self.meta = engine, path, range(0) if path is None else steps, meta
         self.tracer = None
         if path is not None:
             import torch
             sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # time kernels, not launches
             engine.tracer = self.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=sync)
+            if memory:
+                from schedules.observe.memory import SavedTensorTracker
+                self.tracer.memory = SavedTensorTracker(ignore=list(engine.module.parameters()))
 
     @contextlib.contextmanager
     def step(self, step):
@@ -190,16 +205,24 @@ class RunTrace:
             dist.barrier()
             self.tracer.origin = time.perf_counter()
         self.tracer.start_iteration(step - self.steps[0])
+        memory = self.tracer.memory
+        if memory is not None:
+            memory.__enter__()
+            memory.peak_bytes = memory.live_bytes
         try:
             yield
         finally:
             self.tracer.stop()
+            if memory is not None:
+                memory.__exit__(None, None, None)
+                self.tracer.peak_bytes[step - self.steps[0]] = memory.peak_bytes
 
     def save(self):
         """Gather the first data-parallel replica's traces on rank 0 and write them as one Chrome trace."""
         if self.tracer is None:
             return
         import torch.distributed as dist
+        self.tracer.memory = None  # the tracker holds a lock and hooks: what is gathered is the records
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, self.tracer if self.engine.grid.get_data_parallel_rank() == 0 else None)
         if dist.get_rank() == 0:
@@ -228,6 +251,14 @@ def load_chrome_trace(path):
                                                (e["ts"] + e["dur"]) / 1e6, a["direction"], a["pair"], a["iteration"]))
     rows = [sorted(ranks.get(r, []), key=lambda p: p.start) for r in range(max(ranks) + 1 if ranks else 0)]
     return Timeline(rows, 's', dict(data.get("otherData", {}))), p2p
+
+
+def peak_saved_bytes(path):
+    """{rank: the largest per-step peak of bytes saved for backward} of a trace written with memory=True."""
+    with open(path) as f:
+        data = json.load(f)
+    return {e["pid"]: max(e["args"].values()) for e in data["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "peak_saved_bytes" and e["args"]}
 
 
 def load_p2p_events(path):

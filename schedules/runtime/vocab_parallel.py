@@ -60,17 +60,38 @@ class VocabSlice(Linear):
                             "schedules.vocab_parallel.with_labels")
         hidden, *carry, labels = state
         logits = super().forward(hidden).float()  # the softmax in fp32, as for an unsplit head
-        lse = torch.logsumexp(logits, dim=-1)
-        local = labels - self.start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        z = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        z = torch.where(inside, z, torch.zeros_like(z))
+        lse, z = _LogSumExpAndTarget.apply(logits, labels - self.start)
         if carry:
             lse, z = torch.logaddexp(carry[0], lse), carry[1] + z
         return hidden, lse, z, labels
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rows {self.start}:{self.stop} (slice {self.part} of {self.parts})"
+
+
+class _LogSumExpAndTarget(torch.autograd.Function):
+    """(log-sum-exp of each row of `logits`, the logit at column `target` where 0 <= target < columns, else 0),
+    keeping one tensor the size of the logits for the backward: exp(logits - max), whose rows scaled by the
+    incoming gradient over their sum are the gradient (torch.logsumexp keeps its input and recomputes the
+    exponentials, in more passes over the slice's logits, the largest tensor of the head)."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        top = logits.detach().amax(dim=-1, keepdim=True)
+        exp = (logits.detach() - top).exp_()
+        total = exp.sum(dim=-1)
+        inside = (target >= 0) & (target < logits.shape[-1])
+        index = target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        z = logits.detach().gather(-1, index).squeeze(-1).masked_fill_(~inside, 0.0)
+        ctx.save_for_backward(exp, total, index, inside)
+        return top.squeeze(-1) + total.log(), z
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_z):
+        exp, total, index, inside = ctx.saved_tensors
+        grad = exp * (grad_lse / total).unsqueeze(-1)
+        grad.scatter_add_(-1, index, grad_z.masked_fill(~inside, 0.0).unsqueeze(-1))
+        return grad, None
 
 
 def vocab_parallel_loss(outputs, labels=None):

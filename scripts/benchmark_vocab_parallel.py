@@ -1,0 +1,202 @@
+"""GPTlite with its vocabulary head split over the pipeline ranks (`train.py --vocab-parallel`), against every
+schedule with the head whole and against one process: through train.py, side by side in one run.
+
+    python scripts/benchmark_vocab_parallel.py                  # GPTlite small, 2 ranks, 4 micro-batches of 4
+    python scripts/benchmark_vocab_parallel.py --model-size gpt2 --block-size 64 --micro-batch-size 2
+    python scripts/benchmark_vocab_parallel.py --docs           # also docs/bench/vocab-parallel[-SIZE].json
+
+Each configuration is one launch of train.py with the shipped ds_config.json (AdamW): one process with one
+thread (`OMP_NUM_THREADS=1`, no pipeline); every trainable schedule on p ranks, its stages balanced on the
+layers' measured costs (`--partition-method profile`); and every schedule that runs a split head, with
+`--vocab-parallel` (its trunk cut the same way). A round launches every configuration once, the order
+rotating from round to round, so drift on this noisy machine hits all of them alike.
+
+Per configuration: the median step time over the steps after `--warmup` and before the traced ones, its
+speed-up over one process; from the last `--trace-steps` steps, traced with `--trace-memory`: each rank's
+busy time (the sum of its passes) and its peak bytes saved for backward (activation memory), and the
+simulator's prediction of the traced step from the pass costs the trace measured (schedules.observe.trace.
+predict: mean F / B / W per rank and chunk, the time a send and a receive take on their own rank, the
+engine's time between instructions), against the traced step's measured span (first pass to last).
+States the machine it ran on.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root: local_launch
+
+ONE_PROCESS = "one process"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-size", default="small")
+    p.add_argument("--block-size", type=int, default=None, help="override the size's context (e.g. gpt2 at 64)")
+    p.add_argument("--n-layer", type=int, default=None, help="override the size's number of blocks")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12, help="steps per launch")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    p.add_argument("--trace-steps", type=int, default=2, help="last steps traced (left out of the median)")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
+    p.add_argument("--out", default="runs/vocab-parallel")
+    p.add_argument("--docs", action="store_true", help="also write docs/bench/vocab-parallel[-SIZE].json")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
+    return p.parse_args(argv)
+
+
+def configurations(args):
+    """[(name, ranks, train.py flags, environment)]: one process, then each schedule whole and split."""
+    from schedules.registry import schedule_spec, trainable_schedules
+    from schedules.runtime.vocab_parallel import splitting_schedules
+    p, m = args.stages, args.micro_batches
+    out = [(ONE_PROCESS, 1, ["--pipeline-parallel-size", "0"], {"OMP_NUM_THREADS": "1"})]
+    split = splitting_schedules(p)
+    for name in args.schedules or trainable_schedules():
+        try:
+            schedule_spec(name).factory(micro_batches=m, stages=p, stage_id=0)
+        except ValueError as e:
+            print(f"{name} skipped: {e}", flush=True)
+            continue
+        flags = ["--pipeline-parallel-size", str(p), "--pipeline-schedule", name, "--partition-method", "profile"]
+        out.append((name, p, flags, None))
+        if name in split:
+            out.append((f"{name} +vocab", p, flags + ["--vocab-parallel"], None))
+    return out
+
+
+def common_flags(args):
+    flags = ["--model", "gptlite", "--model-size", args.model_size, "--micro-batch-size", str(args.micro_batch_size),
+             "--gradient-accumulation-steps", str(args.micro_batches), "--steps", str(args.steps),
+             "--log-interval", str(args.steps), "--dist-timeout", str(args.timeout)]
+    if args.block_size:
+        flags += ["--block-size", str(args.block_size)]
+    if args.n_layer:
+        flags += ["--n-layer", str(args.n_layer)]
+    return flags
+
+
+def run_once(args, name, ranks, flags, env, folder):
+    """One launch: {'steps': [seconds of each untraced step after warm-up], ...trace figures}."""
+    from local_launch import launch
+    tag = name.replace(" ", "").replace("+", "-")
+    metrics, trace = os.path.join(folder, f"{tag}.jsonl"), os.path.join(folder, f"{tag}.trace.json")
+    extra = ["--metrics-file", metrics]
+    if ranks > 1:
+        extra += ["--trace", trace, "--trace-steps", str(args.trace_steps), "--trace-memory"]
+    run = launch(ranks, [*common_flags(args), *flags, *extra], timeout=args.timeout, env=env)
+    if not run.ok:
+        raise SystemExit(f"{name}: train.py failed\n{run.explain()}")
+    records = [json.loads(line) for line in open(metrics) if '"loss"' in line]
+    last = len(records) - (args.trace_steps if ranks > 1 else 0)
+    result = {"steps": [r["iter_s"] for r in records[args.warmup:last]], "loss": records[-1]["loss"]}
+    if ranks > 1:
+        result.update(trace_figures(trace))
+    return result
+
+
+def trace_figures(path):
+    """Per traced step: its span, each rank's busy seconds and the simulator's span; per rank the peak saved bytes."""
+    from schedules.observe.trace import (
+        load_chrome_trace,
+        load_p2p_events,
+        measured_dispatch,
+        measured_p2p_cpu,
+        one_iteration,
+        peak_saved_bytes,
+        predict,
+        stream_messages,
+    )
+    timeline, _ = load_chrome_trace(path)
+    events = load_p2p_events(path)
+    meta = timeline.meta
+    messages = stream_messages(meta["schedule"], meta["stages"], meta["micro_batches"])
+    p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
+    spans, busy, predicted = [], [], []
+    for i in timeline.iterations():
+        step = one_iteration(timeline, i)
+        t0, t1 = step.span()
+        spans.append(t1 - t0)
+        busy.append([step.busy(r) for r in range(len(step.ranks))])
+        predicted.append(predict(step, 0.0, p2p_cpu, dispatch).makespan)
+    peaks = peak_saved_bytes(path)
+    return {"span_s": spans, "busy_s": busy, "predicted_span_s": predicted,
+            "peak_saved_bytes": [peaks.get(r, 0) for r in range(len(timeline.ranks))]}
+
+
+def summarise(runs):
+    """One row per configuration from its launches (one per round)."""
+    rows = {}
+    for name, results in runs.items():
+        steps = [s for r in results for s in r["steps"]]
+        row = {"iter_s": statistics.median(steps), "rounds": len(results), "loss": results[-1]["loss"]}
+        if "span_s" in results[0]:
+            spans = [s for r in results for s in r["span_s"]]
+            predicted = [s for r in results for s in r["predicted_span_s"]]
+            busy = [b for r in results for b in r["busy_s"]]
+            row.update(span_s=statistics.median(spans), predicted_span_s=statistics.median(predicted),
+                       busy_s=[statistics.median(b[k] for b in busy) for k in range(len(busy[0]))],
+                       peak_saved_bytes=[max(r["peak_saved_bytes"][k] for r in results)
+                                         for k in range(len(results[0]["peak_saved_bytes"]))])
+        rows[name] = row
+    one = rows[ONE_PROCESS]["iter_s"]
+    whole = [r["iter_s"] for n, r in rows.items() if n != ONE_PROCESS and not n.endswith("+vocab")]
+    for name, row in rows.items():
+        row["speedup_vs_one_process"] = one / row["iter_s"]
+        if whole:
+            row["speedup_vs_best_whole"] = min(whole) / row["iter_s"]
+    return rows
+
+
+def table(rows, args, machine):
+    lines = [machine, f"GPTlite {args.model_size}" + (f", context {args.block_size}" if args.block_size else "")
+             + f", {args.stages} ranks, {args.micro_batches} micro-batches of {args.micro_batch_size} sequences, "
+             "train.py with the shipped ds_config.json; one process: one thread",
+             f"{'configuration':22} {'step ms':>8} {'x 1 proc':>8} {'x best whole':>12} {'busy ms per rank':>18} "
+             f"{'span ms':>8} {'pred ms':>8} {'pred/meas':>9} {'saved MiB per rank':>19}"]
+    for name, r in sorted(rows.items(), key=lambda kv: kv[1]["iter_s"]):
+        busy = " ".join(f"{b * 1e3:.0f}" for b in r.get("busy_s", []))
+        peaks = " ".join(f"{b / 2**20:.0f}" for b in r.get("peak_saved_bytes", []))
+        span = f"{r['span_s'] * 1e3:8.0f} {r['predicted_span_s'] * 1e3:8.0f} " \
+               f"{r['predicted_span_s'] / r['span_s']:9.3f}" if "span_s" in r else f"{'':8} {'':8} {'':9}"
+        lines.append(f"{name:22} {r['iter_s'] * 1e3:8.0f} {r['speedup_vs_one_process']:8.2f} "
+                     f"{r.get('speedup_vs_best_whole', 1):12.2f} {busy:>18} {span} {peaks:>19}")
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from schedules.observe.memory import machine_line
+    machine = machine_line()
+    configs = configurations(args)
+    folder = tempfile.mkdtemp(prefix="vocab-bench-")
+    runs, started = {name: [] for name, *_ in configs}, time.time()
+    for r in range(args.rounds):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for name, ranks, flags, env in order:
+            t0 = time.time()
+            runs[name].append(run_once(args, name, ranks, flags, env, folder))
+            print(f"round {r + 1}: {name}: {statistics.median(runs[name][-1]['steps']) * 1e3:.0f} ms per step "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    rows = summarise(runs)
+    lines = table(rows, args, machine) + [f"took {time.time() - started:.0f} s"]
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    report = {"machine": machine, "args": vars(args), "rows": rows, "runs": runs}
+    with open(os.path.join(args.out, "vocab-parallel.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if args.docs:
+        name = "vocab-parallel" + ("" if args.model_size == "small" and not args.block_size else
+                                   f"-{args.model_size}" + (f"-ctx{args.block_size}" if args.block_size else ""))
+        with open(os.path.join("docs", "bench", f"{name}.json"), "w") as f:
+            json.dump({**report, "table": lines}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
