@@ -87,9 +87,10 @@ def pipeline_module(schedule, layers, virtual_stages=None, **kwargs):
 
     Built without autograd recording: PipelineModule's constructor broadcasts each tied weight from its
     first stage in place (`_synchronize_tied_weights`), and under grad mode autograd's fallback for
-    c10d::broadcast_ (it has no autograd kernel) hooks a warning onto the weight that every backward
-    through it printed ("an autograd kernel was not registered ... silently incorrect behavior"). The
-    hook passed the gradient on unchanged; without it nothing is recorded, and nothing is to be.
+    c10d::broadcast_ (an op without an autograd kernel) hooks onto the weight a warning that every backward
+    through it raised ("an autograd kernel was not registered ... silently incorrect behavior"). The hook
+    left the gradient unchanged (tests/test_own_model_example.py: the tied model trains as in one process,
+    built either way); the broadcast only copies initial values, which no gradient is meant to flow through.
     """
     import torch
 
