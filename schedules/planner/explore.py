@@ -212,6 +212,7 @@ def figures(result, place, chained, memory=None, units=None):
         timeline, memory_points = window(result.chained, focus, memory_over_time(result.chained, place, memory))
     return {
         'units': units or timeline.units,
+        'memory_units': 'micro-batches' if memory is None else 'bytes',  # of one 1F1B stage; bytes: a profile's
         'makespan': result.makespan, 'period': result.period, 'step': step, 'chained': chained, 'focus': focus,
         'idle_synced': result.worst('idle_synced'), 'idle_interlocked': result.worst('idle_interlocked'),
         'busy': worst['busy'], 'bubble': worst['bubble'], 'bubble_rank': worst['rank'],

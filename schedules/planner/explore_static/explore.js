@@ -27,6 +27,9 @@ function fmt(x, digits = 4) {
 function timeText(x, units) {
   return units === 's' ? fmt(x * 1e3) + ' ms' : fmt(x);
 }
+function memoryText(x, bytes) {
+  return bytes ? fmt(x / 1048576, 3) + ' MiB' : fmt(x);  // bytes measured (a profile), else micro-batches
+}
 function pct(x) { return (100 * x).toFixed(1) + '%'; }
 function esc(s) {
   return String(s).replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;').replace(/"/g, '&quot;');
@@ -158,6 +161,7 @@ function summaryRows(runs, limit) {
         `<td class="text" colspan="7">${esc(run.error)}</td></tr>`;
     }
     const units = run.timeline.units;
+    const bytes = run.memory_units === 'bytes';
     const cell = (field, value, text) => `<td data-field="${field}" data-value="${value}">${text}</td>`;
     const over = limit !== null && run.peak_activation_memory > limit;
     const bubble = `1 − ${timeText(run.busy, units)} / ${timeText(run.step, units)} = ${pct(run.bubble)} (${run.bubble_rank})`;
@@ -171,9 +175,10 @@ function summaryRows(runs, limit) {
       cell('idle_synced', run.idle_synced, timeText(run.idle_synced, units)) +
       cell('idle_interlocked', run.idle_interlocked, run.chained ? timeText(run.idle_interlocked, units) : '–') +
       cell('peak_activation_memory', run.peak_activation_memory,
-           `${fmt(run.peak_activation_memory)} (${run.peak_rank})`) +
+           `${memoryText(run.peak_activation_memory, bytes)} (${run.peak_rank})`) +
       cell('peak_per_rank', run.per_rank.map((r) => r.peak_activation_memory).join(' '),
-           run.per_rank.map((r) => fmt(r.peak_activation_memory)).join(' ')) +
+           run.per_rank.map((r) => fmt(bytes ? r.peak_activation_memory / 1048576 : r.peak_activation_memory, 3))
+             .join(' ') + (bytes ? ' MiB' : '')) +
       cell('params_per_rank', run.params_per_rank, fmt(run.params_per_rank)) + '</tr>';
   });
   return [head, rows];
@@ -266,7 +271,7 @@ function drawFigure(blocks, units) {
       const mh = 56;
       const peak = Math.max(1e-12, ...block.memory.flat().map((pt) => pt[1]));
       parts.push(`<text x="${LEFT - 6}" y="${y + 10}" font-size="10" text-anchor="end" fill="#444">` +
-                 `${units === 's' ? fmt(peak / 1048576, 3) + ' MiB' : fmt(peak)}</text>`);
+                 `${memoryText(peak, block.run && block.run.memory_units === 'bytes')}</text>`);
       parts.push(`<text x="${LEFT - 6}" y="${y + mh}" font-size="10" text-anchor="end" fill="#444">0</text>`);
       parts.push(`<text x="4" y="${y + mh / 2 + 4}" font-size="10" fill="#444">memory</text>`);
       parts.push(`<rect x="${LEFT}" y="${y}" width="${(block.span * scale).toFixed(2)}" height="${mh}" fill="#fafafa" stroke="#e0e0e0"/>`);
@@ -323,7 +328,7 @@ function runBlock(run) {
     `${run.chained ? ` (interlocked period; step ${run.focus} of a chained run, its neighbours faded)` : ''}` +
     `   bubble rate 1 − ${timeText(run.busy, units)} / ` +
     `${timeText(run.step, units)} = ${pct(run.bubble)} (rank ${run.bubble_rank})   peak act. mem ` +
-    `${units === 's' ? fmt(run.peak_activation_memory / 1048576) + ' MiB' : fmt(run.peak_activation_memory)}`;
+    `${memoryText(run.peak_activation_memory, run.memory_units === 'bytes')}`;
   let span = run.step;
   for (const row of run.timeline.ranks) for (const q of row) span = Math.max(span, q[5]);
   return {title, run, timeline: run.timeline, span, memory: run.memory, deps: run.dependencies, focus: run.focus};
@@ -412,11 +417,11 @@ function renderChooser() {
   const s = c.units === 's';
   const t = (x) => s ? fmt(x * 1e3) : fmt(x);
   const mem = (x) => s ? fmt(x / 1048576, 3) : fmt(x);
-  head.innerHTML = '<tr><th>#</th><th>schedule</th><th>cut</th>' +
+  head.innerHTML = '<tr><th>#</th><th class="text">schedule</th><th class="text">cut</th>' +
     `<th>step ${s ? 'ms' : ''}</th><th>span ${s ? 'ms' : ''}</th><th>bubble rate per rank</th>` +
     `<th>peak ${s ? 'MiB ' : ''}per rank</th></tr>`;
   const label = (row) => row.schedule + (row.virtual_stages ? ` v=${row.virtual_stages}` : '');
-  const line = (row, i, cls) => `<tr class="${cls}" data-schedule="${esc(label(row))}"><td>${i}</td><td>${esc(label(row))}</td>` +
+  const line = (row, i, cls) => `<tr class="${cls}" data-schedule="${esc(label(row))}"><td>${i}</td><td class="text">${esc(label(row))}</td>` +
     `<td class="text">${esc(row.cut)}</td><td data-field="step" data-value="${row.step_s}">${t(row.step_s)}</td>` +
     `<td>${t(row.span_s)}</td><td>${row.bubble.map(pct).join(' ')}</td>` +
     `<td data-field="peak" data-value="${Math.max(...row.peak_bytes)}">${row.peak_bytes.map(mem).join(' ')}</td></tr>`;
