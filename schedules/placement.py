@@ -134,7 +134,12 @@ class InterleavedPlacement(ChunkedPlacement):
 
     @classmethod
     def with_chunks(cls, v):
-        return type(f"InterleavedPlacement{v}", (cls, ), {"chunks": v})
+        """The placement with `v` chunks per rank: one class per v, kept in this module so that it pickles (a
+        traced run gathers its ranks' records, placement included)."""
+        name = f"{cls.__name__}{v}"
+        if name not in globals():
+            globals()[name] = type(name, (cls, ), {"chunks": v, "__module__": __name__})
+        return globals()[name]
 
     def stage(self, rank, chunk):
         return chunk * self.ranks + rank

@@ -99,6 +99,13 @@ class LayerPipe(PipelineModule):
 
     carries_labels = False  # a split head downstream: the stage inputs end with the labels (vocab_parallel.py)
 
+    def _synchronize_tied_weights(self):
+        # DeepSpeed broadcasts tied weights in place (at construction, and again when a checkpoint is loaded);
+        # under grad mode autograd's fallback for c10d::broadcast_ hooks a warning onto the weight
+        import torch
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def forward(self, x):
         if self.carries_labels:
             return self._forward_carrying_labels(x)
