@@ -371,7 +371,7 @@ def test_page_shows_the_simulators_figures(page):
     set_inputs(page, schedules=['1f1b', 'zb-h1', 'zb-v', 'dualpipe'], p=6, m=12, chained=False)
     assert_shows_the_simulation(page, ['1f1b', 'zb-h1', 'zb-v', 'dualpipe'], 6, 12)
     # one cell per pass, as many as the simulator ran
-    rects = page.driver.find_elements(By.CSS_SELECTOR, '#figure rect.pass')
+    rects = page.driver.find_elements(By.CSS_SELECTOR, '#figure g.passes > rect')
     assert len(rects) == sum(len(row) for name in ('1f1b', 'zb-h1', 'zb-v', 'dualpipe')
                              for row in simulate(name, 6, 12, iterations=1).timeline.ranks)
     set_inputs(page, F=1, B=2, W=0.5, comm=0, chained=True)
@@ -409,7 +409,7 @@ def test_page_hover_arrows_and_exports(page):
     assert len(lines) == sum(len(explore.simulated({'schedule': n, 'p': 4, 'm': 8})['dependencies'])
                              for n in ('zb-h1', 'zb-v'))
     set_inputs(page, arrows=False)
-    cell = page.driver.find_elements(By.CSS_SELECTOR, '#figure rect.pass')[5]
+    cell = page.driver.find_elements(By.CSS_SELECTOR, '#figure g.passes > rect')[5]
     ActionChains(page.driver).move_to_element(cell).perform()
     tip = page.driver.find_element(By.ID, 'tip')
     assert tip.is_displayed() and 'micro-batch' in tip.text and 'rank 0' in tip.text
@@ -424,7 +424,8 @@ def test_page_hover_arrows_and_exports(page):
     passes = sum(len(row) for n in ('zb-h1', 'zb-v') for row in simulate(n, 4, 8, iterations=1).timeline.ranks)
     root = ElementTree.parse(page.downloads / 'explore.svg').getroot()
     assert root.tag == '{http://www.w3.org/2000/svg}svg'
-    assert len(root.findall('.//{http://www.w3.org/2000/svg}rect[@class="pass"]')) == passes
+    assert len(root.findall('.//{http://www.w3.org/2000/svg}g[@class="passes"]/{http://www.w3.org/2000/svg}rect')) \
+        == passes
     png = (page.downloads / 'explore.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and int.from_bytes(png[16:20], 'big') > 1000  # 2x the page's width
     trace = json.loads((page.downloads / 'explore-trace.json').read_text())
@@ -442,7 +443,7 @@ def test_page_draws_a_trace_over_its_prediction_and_ranks_a_profile(page, tmp_pa
     assert float(rows['measured']['step']) == measured.span()[1]
     assert float(rows['predicted']['step']) == predicted.makespan
     # the measured passes filled, the predicted ones drawn over them, then alone
-    assert len(page.driver.find_elements(By.CSS_SELECTOR, '#figure rect.pass')) == 2 * len(measured.passes())
+    assert len(page.driver.find_elements(By.CSS_SELECTOR, '#figure g.passes > rect')) == 2 * len(measured.passes())
 
     profile = Profile.synthetic(8, F=1e-3, B=1.5e-3, W=0.5e-3, saved=1 << 20, latency=1e-5)
     saved = tmp_path / 'profile.json'

@@ -237,18 +237,23 @@ function drawFigure(blocks, units) {
       const ry = top + r * h;
       parts.push(`<text x="${LEFT - 6}" y="${ry + h * 0.72}" font-size="${Math.min(11, h - 2)}" text-anchor="end" fill="#444">rank ${r}</text>`);
       parts.push(`<rect x="${LEFT}" y="${ry + 1}" width="${(block.span * scale).toFixed(2)}" height="${h - 2}" fill="${IDLE}"/>`);
-      row.forEach((q, i) => {
+      // one <rect> per pass, in the rank's order (a row's group says which block and rank; hover finds the pass by
+      // its place in the group), then the labels that fit
+      const cells = [], labels = [];
+      const hy = ry + 1, hh = h - 2;
+      row.forEach((q) => {
         const x0 = x(q[4]), w = Math.max(0.5, (q[5] - q[4]) * scale);
         const faded = block.focus !== null && block.focus !== undefined && q[8] !== block.focus;
-        parts.push(`<rect class="pass" x="${x0.toFixed(2)}" y="${ry + 1}" width="${w.toFixed(2)}" height="${h - 2}" ` +
-                   `fill="${passColour(q, faded)}" stroke="#fff" stroke-width="0.5" data-b="${s}" data-r="${r}" data-i="${i}"/>`);
+        cells.push(`<rect x="${x0.toFixed(1)}" y="${hy}" width="${w.toFixed(1)}" height="${hh}" fill="${passColour(q, faded)}"/>`);
         const label = passLabel(q);
         if (w >= 7 * label.length + 2 && h >= 10) {
-          const ink = faded ? '#999' : q[2] % 2 ? '#fff' : '#000';
-          parts.push(`<text x="${(x0 + w / 2).toFixed(2)}" y="${ry + h * 0.7}" font-size="${Math.min(10, h - 4)}" ` +
-                     `text-anchor="middle" pointer-events="none" fill="${ink}">${label}</text>`);
+          labels.push(`<text x="${(x0 + w / 2).toFixed(1)}" y="${ry + h * 0.7}"${faded ? ' fill="#999"' : q[2] % 2 ? ' fill="#fff"' : ''}>${label}</text>`);
         }
       });
+      parts.push(`<g class="passes" data-b="${s}" data-r="${r}" stroke="#fff" stroke-width="0.5">${cells.join('')}</g>`);
+      if (labels.length) {
+        parts.push(`<g font-size="${Math.min(10, h - 4)}" text-anchor="middle" pointer-events="none">${labels.join('')}</g>`);
+      }
       if (block.overlay) {
         block.overlay.ranks[r].forEach((q) => {
           parts.push(`<rect x="${x(q[4]).toFixed(2)}" y="${ry + 2}" width="${Math.max(0.5, (q[5] - q[4]) * scale).toFixed(2)}" ` +
@@ -368,12 +373,16 @@ function renderTrace() {
 function hover(event) {
   const target = event.target;
   const tip = $('tip');
-  if (!target.classList || !target.classList.contains('pass')) { tip.hidden = true; return; }
-  const block = state.blocks[+target.dataset.b];
-  const q = block.timeline.ranks[+target.dataset.r][+target.dataset.i];
+  const group = target.parentNode;
+  if (target.tagName !== 'rect' || !group || !group.classList || !group.classList.contains('passes')) {
+    tip.hidden = true;
+    return;
+  }
+  const block = state.blocks[+group.dataset.b];
+  const q = block.timeline.ranks[+group.dataset.r][Array.prototype.indexOf.call(group.children, target)];
   const units = block.timeline.units;
   tip.textContent = `${KIND_NAMES[KINDS[q[0]]]} (${KINDS[q[0]]}) of micro-batch ${q[3]}` +
-    `${q[6] !== null ? ', direction ' + q[6] : ''}\nrank ${target.dataset.r}, model stage ${q[1]}, chunk ${q[2]}` +
+    `${q[6] !== null ? ', direction ' + q[6] : ''}\nrank ${group.dataset.r}, model stage ${q[1]}, chunk ${q[2]}` +
     `${q[8] ? ', step ' + q[8] : ''}\n${timeText(q[4], units)} → ${timeText(q[5], units)} ` +
     `(${timeText(q[5] - q[4], units)})${q[7] !== null ? '\nran as one unit with its pair' : ''}`;
   const box = $('figure-box').getBoundingClientRect();
