@@ -122,6 +122,7 @@ def plan(args, cfg, batch_of, rank, save=None):
     Choice (None for --partition-method profile alone)."""
     from schedules.planner.choose import CUTS, choose, summary, table
     from schedules.planner.compose import layer_weights
+    from schedules.registry import splitting_schedules
     started = time.perf_counter()
     profile = measure(args, cfg, batch_of)
     if save and rank == 0:
@@ -131,14 +132,21 @@ def plan(args, cfg, batch_of, rank, save=None):
     if args.pipeline_schedule == "auto":
         cuts = [args.partition_method.lower()] if args.partition_method else CUTS
         try:
+            # GPTlite's vocabulary head may be split over the ranks (--vocab-parallel): those candidates too, or only
+            split = args.model == "gptlite"
             choice = choose(profile, args.pipeline_parallel_size, cfg["gradient_accumulation_steps"],
                             args.max_activation_memory, cuts=cuts, interlock=getattr(args, "interlock", 1),
-                            validation=validation_model(args, cfg))
+                            validation=validation_model(args, cfg), split=split,
+                            schedules=splitting_schedules(args.pipeline_parallel_size) if args.vocab_parallel
+                            else None)
+            if args.vocab_parallel:
+                choice.ranked = [c for c in choice.ranked if c.vocab_parallel]
         except ValueError as e:
             raise UsageError(f"--pipeline-schedule auto: {e}") from None
         pick = choice.pick
         args.pipeline_schedule, args.virtual_stages, args.partition_method = \
             pick.schedule, pick.virtual_stages, pick.method
+        args.vocab_parallel = pick.vocab_parallel
         if rank == 0:
             print("\n".join(["auto: predicted per candidate, fastest first (the simulator on the layers measured "
                              "here)", *table(choice)]), flush=True)

@@ -173,8 +173,8 @@ def _validate_vocab_parallel(args, need):
     need(pp >= 2, f"--vocab-parallel splits the head over the pipeline ranks: it needs --pipeline-parallel-size >= 2 "
          f"(it is {pp})")
     supported = splitting_schedules()
-    need(name in supported, f"--vocab-parallel needs a schedule whose last chunk visits every rank, one slice of the "
-         f"head each: pass --pipeline-schedule {' | '.join(supported)} (not {name})")
+    need(name in supported or name == "auto", f"--vocab-parallel needs a schedule whose last chunk visits every "
+         f"rank, one slice of the head each: pass --pipeline-schedule {' | '.join(supported)} (not {name})")
 
 
 def _validate_pipeline(args, micro_batches, need):

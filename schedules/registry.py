@@ -16,7 +16,7 @@ from schedules.definitions.dualpipe import DualPipeSchedule
 from schedules.definitions.interleaved import Interleaved1F1BSchedule
 from schedules.definitions.vshape import DualPipeVSchedule, ZBVSchedule
 from schedules.definitions.zero_bubble import ZBH1Schedule, ZBH2Schedule
-from schedules.placement import DualPipeVPlacement, SplitBackwardPlacement, StockPlacement
+from schedules.placement import ChunkedPlacement, DualPipeVPlacement, SplitBackwardPlacement, StockPlacement
 
 # Engines (schedules/runtime/__init__.py resolves them); None: the one deepspeed.initialize picks.
 SPLIT_BACKWARD, CHUNKED = 'split-backward', 'chunked'
@@ -82,3 +82,22 @@ def schedule_spec(name, virtual_stages=None):
         return spec
     factory = spec.factory.with_virtual_stages(virtual_stages)
     return replace(spec, factory=factory, placement=factory.placement_cls)
+
+
+def splits_vocabulary(spec, ranks=2):
+    """Whether registry row `spec` can run a split vocabulary head (schedules/runtime/vocab_parallel.py) at
+    `ranks` ranks: our chunked engine, one stream of micro-batches, and a last chunk whose `ranks` model stages
+    sit on `ranks` different ranks, after at least one stage of the trunk (the V placement, interleaved)."""
+    if spec.engine != CHUNKED or not issubclass(spec.placement, ChunkedPlacement):
+        return False
+    where = spec.placement(ranks)
+    if any(where.direction(c) is not None for c in range(where.chunks)):
+        return False  # the mirror: two copies of every stage, two streams
+    stages = where.num_model_stages
+    last = {where.owner(s)[0] for s in range(stages - ranks, stages)}
+    return stages > ranks and len(last) == ranks
+
+
+def splitting_schedules(ranks=2):
+    """The registered schedule names that run a split head."""
+    return [name for name, spec in SCHEDULES.items() if splits_vocabulary(spec, ranks)]

@@ -91,7 +91,9 @@ def plan(profile, opts):
     for p in opts.stages:
         for m in opts.micro_batches:
             try:
-                choice = choose(profile, p, m, opts.max_activation_memory, cuts=opts.cuts or CUTS)
+                # a GPTlite profile: also its vocabulary head split over the ranks (train.py --vocab-parallel)
+                choice = choose(profile, p, m, opts.max_activation_memory, cuts=opts.cuts or CUTS,
+                                split=profile.meta.get("model") == "gptlite")
             except ValueError as e:
                 print(f"p = {p}, m = {m}: {e}")
                 out[(p, m)] = str(e)

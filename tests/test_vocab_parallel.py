@@ -138,9 +138,12 @@ CASES = {
 def test_split_head_trains_as_the_non_pipelined_model(case, sgd_config, references, tmp_path):
     nprocs, flags, model, micro_batches, zero = CASES[case]
     dp = nprocs // int(flags[1])
-    result = train(tmp_path, nprocs, [*flags, "--vocab-parallel"], sgd_config(zero), micro_batches, dp=dp,
+    traced = ["--trace", tmp_path / "trace.json"] if case.startswith("interleaved") else []
+    result = train(tmp_path, nprocs, [*flags, "--vocab-parallel", *traced], sgd_config(zero), micro_batches, dp=dp,
                    model=model)
     assert_same_training(result, references(micro_batches, model=model, zero=zero))
+    if traced:  # an interleaved run's trace (its placement class is made per v: it must pickle to be gathered)
+        assert (tmp_path / "trace.json").exists()
 
 
 @pytest.mark.multiprocess
@@ -204,3 +207,48 @@ def test_benchmark_summary():
     assert rows["1f1b"]["busy_s"] == [0.4, 0.45] and rows["1f1b"]["peak_saved_bytes"] == [10, 12]
     lines = bench.table(rows, bench.parse_args([]), "machine")
     assert lines[3].split()[:3] == ["zb-v", "+vocab", "550"]  # fastest first
+
+
+# --- the planner ---------------------------------------------------------------------------------
+def _head_heavy(layers=6, head=10.0):
+    from schedules.planner.profile import LayerCost, Profile
+    profile = Profile.synthetic(layers, saved=1.0)
+    last = profile.layers[-1]
+    last.F, last.B, last.W, last.BW, last.params = head, head, head, 2 * head, 100
+    profile.loss = LayerCost("loss", 2.0, 2.0, 0.0, 2.0, {s: [4.0, 0, 0] for s in "FBW"})
+    return profile
+
+
+def test_the_planner_splits_the_head_and_its_loss_over_the_ranks():
+    from schedules.planner.compose import cut, split_head
+    profile = _head_heavy()
+    split = split_head(profile, 4)
+    assert len(split.layers) == 5 + 4 and split.loss is None
+    for kind, whole in (("F", 12.0), ("B", 12.0), ("W", 10.0), ("BW", 22.0)):
+        assert sum(getattr(c, kind) for c in split.layers[5:]) == pytest.approx(whole)
+    assert sum(c.params for c in split.layers[5:]) == 100
+    # V placement at p = 4: 8 model stages, the last 4 a slice each, the trunk's 5 layers over the first 4
+    assert cut(split, "uniform", 8, slices=4) == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
+    from schedules.planner.choose import choose
+    whole = choose(_head_heavy(), 4, 8)
+    assert not any(c.vocab_parallel for c in whole.ranked)
+    both = choose(_head_heavy(), 4, 8, split=True)
+    split = [c for c in both.ranked if c.vocab_parallel]
+    assert {"zb-v", "interleaved"} <= {c.schedule for c in split} <= set(SPLITTING)
+    assert both.pick.vocab_parallel and both.pick.label.endswith(" +vocab")
+    best_whole = min(c.step for c in both.ranked if not c.vocab_parallel)
+    assert both.pick.step < best_whole / 1.3  # the head and loss are 2/3 of the work: split, the ranks share it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_train_auto_with_vocab_parallel_picks_and_trains_a_split_head():
+    run = launch(2, [*TINY, "--pipeline-parallel-size", "2", "--pipeline-schedule", "auto", "--vocab-parallel",
+                     "--gradient-accumulation-steps", "4", "--micro-batch-size", "2", "--steps", "2"], timeout=180)
+    assert run.ok, run.explain()
+    chose = [line for line in run.stdout[0].splitlines() if line.startswith("auto: chose ")]
+    assert len(chose) == 1 and " +vocab with the " in chose[0], run.stdout[0]
+    assert [line for line in run.stdout[0].splitlines() if line.startswith("step 2/2: loss ")]

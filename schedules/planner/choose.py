@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from schedules.errors import ScheduleError
-from schedules.planner.compose import CUTS, compose, cut
-from schedules.registry import schedule_spec, trainable_schedules
+from schedules.planner.compose import CUTS, compose, cut, split_head
+from schedules.registry import schedule_spec, splitting_schedules, trainable_schedules
 from schedules.simulator.simulate import simulate
 
 MiB = 1 << 20
@@ -47,10 +47,12 @@ class Candidate:
     peak: list = field(default_factory=list)  # predicted peak activation bytes per rank
     params: list = field(default_factory=list)  # parameters per rank
     synchronised: float = 0.0  # predicted seconds per step with a synchronised step end (span + outside)
+    vocab_parallel: bool = False  # the head split over the ranks (train.py --vocab-parallel)
 
     @property
     def label(self):
-        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages else "")
+        return (self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages else "")
+                + (" +vocab" if self.vocab_parallel else ""))
 
     @property
     def method(self):
@@ -81,13 +83,25 @@ def _variants(name, stages, layers):
     return [(v, schedule_spec(name, v)) for v in range(2, max(2, layers // stages) + 1)]
 
 
-def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None, interlock=1, validation="wait"):
-    """([Candidate] simulated, [(label, reason)] excluded) for every schedule, v and distinct cut."""
+def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None, interlock=1, validation="wait",
+               split=False):
+    """([Candidate] simulated, [(label, reason)] excluded) for every schedule, v and distinct cut; with `split`,
+    also every schedule that runs it with the profile's last layer (the vocabulary head) split over the ranks."""
+    out, skipped = _candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation)
+    if split:
+        names = [n for n in splitting_schedules(stages) if schedules is None or n in schedules]
+        more, why = _candidates(split_head(profile, stages), stages, micro_batches, cuts, names, interlock, validation,
+                                slices=stages)
+        out, skipped = out + more, skipped + why
+    return out, skipped
+
+
+def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation, slices=0):
     out, skipped = [], []
     n = len(profile.layers)
     for name in schedules or trainable_schedules():
-        for v, spec in _variants(name, stages, n):
-            label = name + (f" v={v}" if v else "")
+        for v, spec in _variants(name, stages, n - slices + (stages if slices else 0)):  # slices: one chunk more
+            label = name + (f" v={v}" if v else "") + (" +vocab" if slices else "")
             try:
                 spec.factory(micro_batches=micro_batches, stages=stages, stage_id=0)
             except ValueError as e:
@@ -99,15 +113,17 @@ def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None, interl
                 continue
             by_parts = {}
             for method in cuts:
-                parts = cut(profile, method, placement.num_stages)
+                parts = cut(profile, method, placement.num_stages, slices)
                 if any(a == b for a, b in zip(parts, parts[1:])):
                     skipped.append((f"{label} ({method})", "a model stage gets no layer"))
                     continue
                 by_parts.setdefault(tuple(parts), []).append(method)
             for parts, methods in by_parts.items():
                 try:
-                    out.append(_simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
-                                          interlock if spec.engine is not None else 1, validation))
+                    found = _simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
+                                       interlock if spec.engine is not None else 1, validation)
+                    found.vocab_parallel = bool(slices)
+                    out.append(found)
                 except (ValueError, ScheduleError) as e:
                     skipped.append((label, str(e).splitlines()[0]))
     return out, skipped
@@ -134,16 +150,17 @@ def _simulated(profile, spec, v, method, parts, placement, micro_batches, interl
 
 
 def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None, interlock=1,
-           validation="wait"):
+           validation="wait", split=False):
     """The ranked Choice for `stages` pipeline ranks and `micro_batches` per step; `max_activation_memory`
-    in MiB per rank (None: no limit); `interlock` steps per call, their validation (see above). Raises
+    in MiB per rank (None: no limit); `interlock` steps per call, their validation (see above); `split`: the
+    profile's last layer is a vocabulary head, which the schedules that can may split over the ranks. Raises
     ValueError for p < 2, NoScheduleFits when nothing is within the budget (naming the least memory any
     candidate needs)."""
     if stages < 2:
         raise ValueError(f"choosing a pipeline schedule needs at least 2 pipeline stages, not {stages}")
     if micro_batches < 1:
         raise ValueError(f"{micro_batches} micro-batches: need at least 1")
-    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation)
+    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation, split)
     if not found:
         raise ValueError(f"no schedule runs at p = {stages}, m = {micro_batches}: "
                          + "; ".join(f"{label}: {why}" for label, why in skipped[:3]))
@@ -206,7 +223,8 @@ def to_json(choice):
     def row(c):
         return {'schedule': c.schedule, 'virtual_stages': c.virtual_stages, 'cut': c.cut, 'parts': c.parts,
                 'step_s': c.step, 'span_s': c.span, 'outside_s': c.outside, 'bubble': c.bubble,
-                'peak_bytes': c.peak, 'params': c.params, 'synchronised_s': c.synchronised}
+                'peak_bytes': c.peak, 'params': c.params, 'synchronised_s': c.synchronised,
+                'vocab_parallel': c.vocab_parallel}
     return {'stages': choice.stages, 'micro_batches': choice.micro_batches, 'budget_mib': choice.budget,
             'interlock': choice.interlock,
             'ranked': [row(c) for c in choice.ranked], 'dropped': [row(c) for c in choice.dropped],

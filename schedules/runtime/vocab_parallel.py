@@ -23,6 +23,7 @@ see the labels.
 """
 import torch
 
+from schedules.registry import splits_vocabulary, splitting_schedules  # noqa: F401 (which schedules run it)
 from schedules.runtime.weight_grad import Linear
 
 
@@ -144,24 +145,3 @@ def split_head_weight(state, index, parts):
     return split
 
 
-
-def splits_vocabulary(spec, ranks=2):
-    """Whether registry row `spec` can run a split head at `ranks` ranks: our chunked engine, one stream of
-    micro-batches, and a last chunk whose `ranks` model stages sit on `ranks` different ranks, after at least
-    one stage of the trunk (the V placement, interleaved)."""
-    from schedules.placement import ChunkedPlacement
-    from schedules.registry import CHUNKED
-    if spec.engine != CHUNKED or not issubclass(spec.placement, ChunkedPlacement):
-        return False
-    where = spec.placement(ranks)
-    if any(where.direction(c) is not None for c in range(where.chunks)):
-        return False  # the mirror: two copies of every stage, two streams
-    stages = where.num_model_stages
-    last = {where.owner(s)[0] for s in range(stages - ranks, stages)}
-    return stages > ranks and len(last) == ranks
-
-
-def splitting_schedules(ranks=2):
-    """The registered schedule names that run a split head."""
-    from schedules.registry import SCHEDULES
-    return [name for name, spec in SCHEDULES.items() if splits_vocabulary(spec, ranks)]
