@@ -9,6 +9,7 @@ from elsewhere. Ctrl-C stops it.
 """
 import argparse
 import contextlib
+import signal
 import sys
 import time
 
@@ -30,6 +31,7 @@ def main(argv=None):
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}): pick another --port, or 0",
               file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a kill stops it as Ctrl-C does
     print(url, flush=True)
     if not args.no_browser:
         import webbrowser
@@ -37,8 +39,11 @@ def main(argv=None):
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
         server.shutdown()
+        server.server_close()  # its simulating processes too
     return 0
 
 

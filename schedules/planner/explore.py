@@ -151,13 +151,24 @@ def simulated(req):
     return dict(out, seconds=time.perf_counter() - started)
 
 
-def simulated_json(req):
+def simulated_json(req, pool=None):
     """`simulated` as the JSON bytes the server sends, serialised once per input (a cached answer is then sent at
-    once; `seconds` is the time this answer took)."""
-    key = simulation_inputs(req)
+    once; `seconds` is the time this answer took). With `pool` (a process pool) a new input is simulated there, so
+    that the schedules the page asks for together are simulated side by side on the machine's cores."""
+    key = (simulation_inputs(req), bool(req.get('dependencies', True)))
     started = time.perf_counter()
-    body = _serialised(key, bool(req.get('dependencies', True)))
+    with _answers_lock:
+        body = _answers.get(key)
+    if body is None:
+        body = pool.submit(_serialised, *key).result() if pool is not None else _serialised(*key)
+        with _answers_lock:
+            _answers[key] = body
+            while len(_answers) > 256:
+                _answers.pop(next(iter(_answers)))
     return b'{"seconds":%r,' % (time.perf_counter() - started) + body[1:]
+
+
+_answers, _answers_lock = {}, threading.Lock()  # (inputs, with dependencies) -> JSON bytes, oldest first
 
 
 @functools.lru_cache(maxsize=512)
@@ -493,7 +504,8 @@ class Handler(BaseHTTPRequestHandler):
                                                    kind.endswith('javascript') else ''))
 
     def do_POST(self):  # noqa: N802
-        handler = API.get(self.path.split('?')[0])
+        path = self.path.split('?')[0]
+        handler = (lambda req: simulated_json(req, self.server.pool)) if path == '/api/simulate' else API.get(path)
         if handler is None:
             return self._send(404, {'error': f'{self.path}: no such API'})
         try:
@@ -506,10 +518,42 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(400, {'error': str(e)})
 
 
-def serve(host='127.0.0.1', port=0):
-    """A started server (in a daemon thread) and its address, `http://HOST:PORT/`. `server.shutdown()` stops it."""
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+def _pid(_):
+    return os.getpid()
+
+
+def _follow_parent(parent):
+    """In a worker: end when the server's process has ended, however it ended (killed, too)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name='explore-parent', daemon=True).start()
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    pool = None  # a process pool simulating new inputs, or None: in the server's own threads
+
+    def server_close(self):
+        super().server_close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def serve(host='127.0.0.1', port=0, workers=None):
+    """A started server (in a daemon thread) and its address, `http://HOST:PORT/`; `server.shutdown()` and
+    `server.server_close()` stop it. `workers`: processes simulating side by side (default: the machine's cores, at
+    most 4; 0: none, every simulation in the server's threads, one at a time under Python's lock). They are forked
+    here, before any thread of the server starts, and inherit the registry as it is now."""
+    server = Server((host, port), Handler)
+    workers = min(os.cpu_count() or 1, 4) if workers is None else workers
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        server.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('fork'),
+                                          initializer=_follow_parent, initargs=(os.getpid(), ))
+        list(server.pool.map(_pid, range(workers)))  # start them all now
     threading.Thread(target=server.serve_forever, name='explore', daemon=True).start()
     shown = f'[{host}]' if ':' in host else host
     return server, f'http://{shown}:{server.server_address[1]}/'
