@@ -145,9 +145,7 @@ def simulated(req):
     `dependencies` (true by default) the answer leaves them out (the page asks for them when it draws arrows)."""
     key = simulation_inputs(req)
     started = time.perf_counter()
-    out = _simulated(*key)
-    if not req.get('dependencies', True):
-        out = {k: v for k, v in out.items() if k != 'dependencies'}
+    out = _simulated(*key, bool(req.get('dependencies', True)))
     return dict(out, seconds=time.perf_counter() - started)
 
 
@@ -163,24 +161,21 @@ def simulated_json(req, pool=None):
         body = pool.submit(_serialised, *key).result() if pool is not None else _serialised(*key)
         with _answers_lock:
             _answers[key] = body
-            while len(_answers) > 256:
+            while sum(map(len, _answers.values())) > ANSWERS_BYTES and len(_answers) > 1:
                 _answers.pop(next(iter(_answers)))
     return b'{"seconds":%r,' % (time.perf_counter() - started) + body[1:]
 
 
 _answers, _answers_lock = {}, threading.Lock()  # (inputs, with dependencies) -> JSON bytes, oldest first
+ANSWERS_BYTES = 256 << 20  # what the kept answers may hold
 
 
-@functools.lru_cache(maxsize=512)
 def _serialised(key, with_dependencies):
-    out = _simulated(*key)
-    if not with_dependencies:
-        out = {k: v for k, v in out.items() if k != 'dependencies'}
-    return json.dumps(out, separators=(',', ':')).encode()
+    return json.dumps(_simulated(*key, with_dependencies), separators=(',', ':')).encode()
 
 
-@functools.lru_cache(maxsize=512)
-def _simulated(name, p, m, v, F, B, W, comm, chained):
+@functools.lru_cache(maxsize=16)  # (the answers the server keeps are its JSON, above)
+def _simulated(name, p, m, v, F, B, W, comm, chained, with_dependencies=True):
     spec = schedule_spec(name, v)
     head = {'schedule': name, 'label': name + (f' v={v}' if v else ''), 'p': p, 'm': m, 'v': v,
             'closed_form': CLOSED_FORMS.get(name), 'description': spec.description}
@@ -191,7 +186,7 @@ def _simulated(name, p, m, v, F, B, W, comm, chained):
     except (ValueError, ScheduleError) as e:
         return dict(head, error=str(e))
     units = 'F' if (F, B, W) == (1.0, 1.0, 1.0) else 'time'  # the page's own units, not seconds
-    return dict(head, error=None, **figures(result, place, chained, units=units))
+    return dict(head, error=None, **figures(result, place, chained, units=units, with_dependencies=with_dependencies))
 
 
 def _run(spec, p, m, F, B, W, comm, chained):
@@ -206,11 +201,12 @@ def _run(spec, p, m, F, B, W, comm, chained):
                     iterations=5 if chained else 1), place
 
 
-def figures(result, place, chained, memory=None, units=None):
+def figures(result, place, chained, memory=None, units=None, with_dependencies=True):
     """What the page draws of a SimResult: the timeline, per-rank figures, the bubble, memory over time and the
     passes' dependencies. `units`: 'F' (forward units), 'time' (the page's own costs) or 's' (seconds: a profile, a
     trace); default the timeline's. Chained, the drawing is the window of the middle iteration of the chained run
-    (as scripts/plot_schedules.py draws it), its neighbours' passes that reach into it marked by their iteration."""
+    (as scripts/plot_schedules.py draws it), its neighbours' passes that reach into it marked by their iteration.
+    `with_dependencies` False leaves the dependencies out (the page asks for them when it draws its arrows)."""
     timeline, focus = result.timeline, None
     step = result.period if chained else result.makespan
     idle_key = 'idle_interlocked' if chained else 'idle_synced'
@@ -221,7 +217,7 @@ def figures(result, place, chained, memory=None, units=None):
     if chained and result.chained is not None:
         focus = len(result.chained.iterations()) // 2
         timeline, memory_points = window(result.chained, focus, memory_over_time(result.chained, place, memory))
-    return {
+    out = {
         'units': units or timeline.units,
         'memory_units': 'micro-batches' if memory is None else 'bytes',  # of one 1F1B stage; bytes: a profile's
         'makespan': result.makespan, 'period': result.period, 'step': step, 'chained': chained, 'focus': focus,
@@ -232,8 +228,10 @@ def figures(result, place, chained, memory=None, units=None):
         'params_per_rank': result.worst('params'), 'per_rank': per_rank,
         'timeline': encode(timeline, units),
         'memory': memory_points,
-        'dependencies': dependencies(timeline, place),
     }
+    if with_dependencies:
+        out['dependencies'] = dependencies(timeline, place)
+    return out
 
 
 def window(timeline, focus, memory_points):
