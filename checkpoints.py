@@ -31,7 +31,8 @@ def run_record(args, cfg, world):
     pp = args.pipeline_parallel_size
     model = ({"model": "deep", "deep_width": args.deep_width, "deep_depth": args.deep_depth} if args.model == "deep"
              else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args)),
-                   "vocab_parallel": bool(pp and args.vocab_parallel),
+                   # what older records lack is recorded only where it is not the default
+                   **({"vocab_parallel": True} if pp and args.vocab_parallel else {}),
                    **({"block_size": args.block_size} if getattr(args, "block_size", None) else {})})
     chunks = getattr(schedule_spec(args.pipeline_schedule, args.virtual_stages).factory, "virtual_stages", None)
     return {"schedule": args.pipeline_schedule if pp else None, "virtual_stages": chunks if pp else None,

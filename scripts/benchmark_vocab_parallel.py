@@ -18,6 +18,11 @@ simulator's prediction of the traced step from the pass costs the trace measured
 predict: mean F / B / W per rank and chunk, the time a send and a receive take on their own rank, the
 engine's time between instructions), against the traced step's measured span (first pass to last).
 States the machine it ran on.
+
+`--profile FILE` (a profile saved by `scripts/choose_schedule.py --save`) predicts instead, at each of
+`--stages` and `--micro-batches`: the chooser's best schedule with the head whole and with it split, and the
+bound no route can beat, every rank busy with 1/p of the whole model's work and 1/p of its optimizer step
+(the paper's route with free collectives could at best reach it).
 """
 import argparse
 import json
@@ -37,9 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--model-size", default="small")
     p.add_argument("--block-size", type=int, default=None, help="override the size's context (e.g. gpt2 at 64)")
     p.add_argument("--n-layer", type=int, default=None, help="override the size's number of blocks")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--stages", type=int, nargs="+", default=[2])
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[4])
+    p.add_argument("--profile", default=None, help="predict from this saved profile instead of measuring")
     p.add_argument("--steps", type=int, default=12, help="steps per launch")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     p.add_argument("--trace-steps", type=int, default=2, help="last steps traced (left out of the median)")
@@ -55,7 +61,7 @@ def configurations(args):
     """[(name, ranks, train.py flags, environment)]: one process, then each schedule whole and split."""
     from schedules.registry import schedule_spec, trainable_schedules
     from schedules.runtime.vocab_parallel import splitting_schedules
-    p, m = args.stages, args.micro_batches
+    p, m = args.stages[0], args.micro_batches[0]
     out = [(ONE_PROCESS, 1, ["--pipeline-parallel-size", "0"], {"OMP_NUM_THREADS": "1"})]
     split = splitting_schedules(p)
     for name in args.schedules or trainable_schedules():
@@ -73,7 +79,7 @@ def configurations(args):
 
 def common_flags(args):
     flags = ["--model", "gptlite", "--model-size", args.model_size, "--micro-batch-size", str(args.micro_batch_size),
-             "--gradient-accumulation-steps", str(args.micro_batches), "--steps", str(args.steps),
+             "--gradient-accumulation-steps", str(args.micro_batches[0]), "--steps", str(args.steps),
              "--log-interval", str(args.steps), "--dist-timeout", str(args.timeout)]
     if args.block_size:
         flags += ["--block-size", str(args.block_size)]
@@ -155,9 +161,10 @@ def summarise(runs):
 
 
 def table(rows, args, machine):
-    lines = [machine, f"GPTlite {args.model_size}" + (f", context {args.block_size}" if args.block_size else "")
-             + f", {args.stages} ranks, {args.micro_batches} micro-batches of {args.micro_batch_size} sequences, "
-             "train.py with the shipped ds_config.json; one process: one thread",
+    context = f", context {args.block_size}" if args.block_size else ""
+    lines = [machine, f"GPTlite {args.model_size}{context}, {args.stages[0]} ranks, {args.micro_batches[0]} "
+             f"micro-batches of {args.micro_batch_size} sequences, train.py with the shipped ds_config.json; one "
+             "process: one thread",
              f"{'configuration':22} {'step ms':>8} {'x 1 proc':>8} {'x best whole':>12} {'busy ms per rank':>18} "
              f"{'span ms':>8} {'pred ms':>8} {'pred/meas':>9} {'saved MiB per rank':>19}"]
     for name, r in sorted(rows.items(), key=lambda kv: kv[1]["iter_s"]):
@@ -170,8 +177,59 @@ def table(rows, args, machine):
     return lines
 
 
+def predictions(args):
+    """{(p, m): the best whole and split candidates' predicted steps and the balanced bound} from a profile."""
+    from schedules.planner.choose import choose
+    from schedules.planner.profile import Profile
+    profile = Profile.load(args.profile)
+    layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
+    work = sum(c.F + c.BW for c in layers)  # seconds of one micro-batch through the whole model
+    optimizer = sum(c.optimizer for c in profile.layers)
+    rows = []
+    for p in args.stages:
+        for m in args.micro_batches:
+            try:
+                ranked = choose(profile, p, m, split=True).ranked
+            except ValueError as e:
+                rows.append({"stages": p, "micro_batches": m, "error": str(e)})
+                continue
+            whole = min((c for c in ranked if not c.vocab_parallel), key=lambda c: c.step, default=None)
+            split = min((c for c in ranked if c.vocab_parallel), key=lambda c: c.step, default=None)
+            row = {"stages": p, "micro_batches": m, "bound_s": (work * m + optimizer) / p}
+            for key, c in (("whole", whole), ("split", split)):
+                if c is not None:
+                    row[key] = {"schedule": c.label, "cut": c.cut, "step_s": c.step, "bubble": c.bubble,
+                                "peak_bytes": c.peak}
+            if whole and split:
+                row["split_over_whole"] = whole.step / split.step
+            rows.append(row)
+    lines = [f"predicted from {args.profile} ({profile.meta.get('model')} {profile.meta.get('model_size')}, "
+             f"micro-batches of {profile.meta.get('micro_batch_size')}): one micro-batch through the model "
+             f"{work * 1e3:.0f} ms, the optimizer step {optimizer * 1e3:.0f} ms",
+             f"{'p':>3} {'m':>3}  {'best whole':28} {'step s':>7}  {'best split':28} {'step s':>7} "
+             f"{'x whole':>7} {'bound s':>7} {'bound/split':>11}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['stages']:>3} {r['micro_batches']:>3}  {r['error']}")
+            continue
+        w, s = r.get("whole"), r.get("split")
+        lines.append(f"{r['stages']:>3} {r['micro_batches']:>3}  {(w or {}).get('schedule', '-'):28} "
+                     f"{(w or {}).get('step_s', float('nan')):7.2f}  {(s or {}).get('schedule', '-'):28} "
+                     f"{(s or {}).get('step_s', float('nan')):7.2f} {r.get('split_over_whole', float('nan')):7.2f} "
+                     f"{r['bound_s']:7.2f} {r['bound_s'] / s['step_s'] if s else float('nan'):11.2f}")
+    return rows, lines
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.profile:
+        rows, lines = predictions(args)
+        print("\n".join(lines))
+        if args.docs:
+            name = os.path.splitext(os.path.basename(args.profile))[0]
+            with open(os.path.join("docs", "bench", f"vocab-parallel-predicted-{name}.json"), "w") as f:
+                json.dump({"args": vars(args), "rows": rows, "table": lines}, f, indent=1)
+        return
     from schedules.observe.memory import machine_line
     machine = machine_line()
     configs = configurations(args)

@@ -78,12 +78,13 @@ class _LogSumExpAndTarget(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target):
-        top = logits.detach().amax(dim=-1, keepdim=True)
-        exp = (logits.detach() - top).exp_()
-        total = exp.sum(dim=-1)
         inside = (target >= 0) & (target < logits.shape[-1])
         index = target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
         z = logits.detach().gather(-1, index).squeeze(-1).masked_fill_(~inside, 0.0)
+        top = logits.detach().amax(dim=-1, keepdim=True)
+        # in place: the logits are this function's alone (the projection's backward keeps its input and weight)
+        exp = logits.detach().sub_(top).exp_()
+        total = exp.sum(dim=-1)
         ctx.save_for_backward(exp, total, index, inside)
         return top.squeeze(-1) + total.log(), z
 
