@@ -42,6 +42,7 @@ class OrderedSchedule(ds.PipeSchedule):
         self.placement = self.placement_cls(stages)
         self.forward_only = forward_only
         self._lowered = None
+        self._neighbours = {}  # (chunk, step) -> placement.neighbour of this rank's chunk
         self._order = [self._typed(p) for p in (self.forward_order() if forward_only else self.compute_order())]
         self._check_order()
 
@@ -91,15 +92,22 @@ class OrderedSchedule(ds.PipeSchedule):
         return self.buffers_per_chunk() * self.placement.chunks
 
     # --- instructions ---------------------------------------------------------------------
+    def _neighbour(self, chunk, step):
+        key = (chunk, step)
+        if key not in self._neighbours:
+            self._neighbours[key] = self.placement.neighbour(self.stage_id, chunk, step,
+                                                             self.placement.direction(chunk))
+        return self._neighbours[key]
+
     def _remote(self, chunk, step):
-        peer = self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk))
+        peer = self._neighbour(chunk, step)
         return peer is not None and peer[0] != self.stage_id
 
     def _at_end(self, chunk, step):
-        return self.placement.neighbour(self.stage_id, chunk, step, self.placement.direction(chunk)) is None
+        return self._neighbour(chunk, step) is None
 
     def _instr(self, cls, buf, chunk):
-        return cls(buf, chunk=chunk) if self.placement.chunks > 1 else cls(buf)
+        return _instruction(cls, buf, chunk if self.placement.chunks > 1 else None)
 
     def _before(self, a):
         if a.kind == F:
@@ -129,10 +137,31 @@ class OrderedSchedule(ds.PipeSchedule):
             if isinstance(item, Paired):
                 f, b = item
                 yield (self._before(f) + self._before(b) +
-                       [ForwardBackwardPass(f.micro_batch, f.chunk, b.micro_batch, b.chunk, fused=b.kind == BW)] +
+                       [_instruction(ForwardBackwardPass, f.micro_batch, f.chunk, b.micro_batch, b.chunk,
+                                     b.kind == BW)] +
                        self._after(f) + self._after(b))
                 continue
             yield self._before(item) + [self._instr(INSTRUCTION_OF_KIND[item.kind], item.micro_batch, item.chunk)] + \
                 self._after(item)
         if not self.forward_only:
             yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+
+
+_INSTRUCTIONS = {}
+
+
+def _instruction(cls, *args):
+    """The instruction `cls(buffer, chunk=chunk)` (`cls(buffer)` for chunk None; ForwardBackwardPass: its five
+    arguments), made once and shared by every stream that runs it: an instruction is a value the engines and the
+    simulator only read, and a stream of p ranks and m micro-batches holds p x m x chunks of them."""
+    key = (cls, *args)
+    instr = _INSTRUCTIONS.get(key)
+    if instr is None:
+        if cls is ForwardBackwardPass:
+            fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused = args
+            instr = cls(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused=fused)
+        else:
+            buf, chunk = args
+            instr = cls(buf) if chunk is None else cls(buf, chunk=chunk)
+        _INSTRUCTIONS[key] = instr
+    return instr

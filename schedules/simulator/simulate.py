@@ -20,8 +20,8 @@ up by name in schedules/registry.py. The simulator reads the vocabulary and the 
 never an engine.
 """
 
-import itertools
-from collections import Counter, deque
+import gc
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -29,6 +29,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from schedules.errors import ScheduleError
 from schedules.instructions import PASS_KIND, ForwardBackwardPass
+from schedules.lowering import OrderedSchedule
 from schedules.placement import Placement, StockPlacement
 from schedules.registry import available_schedules
 from schedules.simulator.timeline import Pass, Timeline
@@ -97,6 +98,7 @@ class Commit:
 # Instruction registry: exact type -> handler(instr, ctx) -> list of effects.
 
 _HANDLERS = {}
+_PROGRAMS = OrderedDict()  # (factory, placement, handlers, stages, micro_batches) -> compiled stream per rank
 
 
 @dataclass
@@ -117,6 +119,7 @@ def register_instruction(instr_type, handler=None):
     if handler is None:
         return lambda h: register_instruction(instr_type, h) or h
     _HANDLERS[instr_type] = handler
+    _PROGRAMS.clear()  # streams compiled with the handler it replaces
     return handler
 
 
@@ -137,6 +140,177 @@ register_instruction(ds.OptimizerStep, lambda i, c: [StepWork()])  # its time: s
 
 
 # ----------------------------------------------------------------------------------------------
+# Streams, compiled: each instruction's effects worked out once per rank.
+#
+# A rank's stream becomes a list of entries (step, instruction, effects, paired), each effect a tuple whose first
+# item says what it is (_COMPUTE, _P2P, ...), followed by what the rank and the placement fix beforehand (the
+# chunk's stage and neighbours, the peer rank, the channel), so that the simulation only keeps state and clocks.
+# The streams of a schedule that DeepSpeed or schedules/lowering.py builds depend on (schedule, p, m, stage_id)
+# alone: those are compiled once, shared by every run of the stream (the iterations) and kept for the next
+# simulation of the same schedule (_PROGRAMS). Any other factory is called once per run and its stream pulled
+# as the rank reaches it, as before.
+
+_COMPUTE, _P2P, _LOAD, _STEP, _COMMIT, _OTHER, _RAISE = range(7)
+_PAIRED = object()  # a compute paired with the others of its instruction, numbered when the rank reaches it
+
+
+def _compute_effect(rank, placement, kind, chunk, buffer, micro_batch=None, direction=None, pair=None, memory=None):
+    up = placement.neighbour(rank, chunk, -1, direction)
+    down = placement.neighbour(rank, chunk, +1, direction)
+    return (_COMPUTE, kind, chunk, None if buffer is None else (chunk, buffer), micro_batch, direction, pair, memory,
+            placement.chunk_size(rank, chunk), placement.stage(rank, chunk), up, down, (chunk, kind),
+            (chunk, direction),
+            # 14-17: the upstream chunk on another rank, the upstream chunk on this rank (or None); the same downstream
+            up is not None and up[0] != rank, up[1] if up is not None and up[0] == rank else None,
+            down is not None and down[0] != rank, down[1] if down is not None and down[0] == rank else None)
+
+
+def _p2p_effect(rank, placement, is_send, kind, chunk, buffer, direction=None):
+    # activations travel downstream, gradients upstream
+    peer = placement.neighbour(rank, chunk, +1 if (kind == ACTIVATION) == is_send else -1, direction)
+    here = placement.stage(rank, chunk)
+    if peer is None or peer[0] == rank:
+        where = 'no such stage' if peer is None else 'it is on this rank'
+        return (_RAISE, f'{kind} {"send" if is_send else "receive"} of stage {here} has no peer rank ({where})')
+    there = placement.stage(*peer)
+    src, dst = (here, there) if is_send else (there, here)
+    channel = (rank, peer[0]) if is_send else (peer[0], rank)
+    if placement.channels_by_kind:  # the shape message goes first on the activations' channel
+        channel += (GRADIENT if kind == GRADIENT else ACTIVATION, )
+    return (_P2P, is_send, kind, chunk, (chunk, buffer), direction, peer[0], src, dst, channel, (is_send, chunk),
+            buffer, (chunk, direction, 'recv'))
+
+
+def _compile_effect(e, rank, placement):
+    if isinstance(e, Compute):
+        pair = None if e.pair is False else (_PAIRED if e.pair is True else e.pair)
+        return _compute_effect(rank, placement, e.kind, e.chunk, e.buffer, e.micro_batch, e.direction, pair, e.memory)
+    if isinstance(e, Load):
+        return (_LOAD, (e.chunk, e.buffer))
+    if isinstance(e, (Send, Recv)):
+        return _p2p_effect(rank, placement, isinstance(e, Send), e.kind, e.chunk, e.buffer, e.direction)
+    if isinstance(e, StepWork):
+        return (_STEP, )
+    if isinstance(e, Commit):
+        return (_COMMIT, )
+    return (_OTHER, e)
+
+
+class _Compiler:
+    """Compiles one rank's instructions. The instruction types whose handler is still the one this module
+    registers are compiled directly (what their handler's effects would compile to, memoised per chunk);
+    any other goes through its handler."""
+
+    def __init__(self, placement, rank):
+        self.placement, self.rank = placement, rank
+        self.memo = {}
+        self.chunk_of = None if type(placement).chunk_of is not Placement.chunk_of else True
+
+    def compile(self, step, instr):
+        """The entry of one instruction: (step, instr, effects, paired). A handler's error is raised when the rank
+        reaches the instruction, as the engine would."""
+        t = type(instr)
+        pl = self.placement
+        handler = pl.handlers.get(t) or _HANDLERS.get(t)
+        if handler is None:
+            return step, instr, ((_RAISE, f'the simulator does not understand {t.__name__} '
+                                          f'(teach it with register_instruction)'), ), False
+        try:
+            if self.chunk_of:
+                kw = instr.kwargs
+                chunk = kw.get('chunk', kw.get('phase', 0))
+            else:
+                chunk = pl.chunk_of(self.rank, instr)
+            fast = _FAST.get(t) if handler is _BUILT_IN.get(t) else None
+            if fast is not None:
+                return step, instr, fast(self, instr, chunk), t is ForwardBackwardPass
+            effects = list(handler(instr, Context(self.rank, pl, chunk)))
+        except Exception as error:  # noqa: BLE001 -- raised again where the rank reaches the instruction
+            return step, instr, ((_RAISE, error), ), False
+        paired = any(isinstance(e, Compute) and e.pair is True for e in effects)
+        return step, instr, tuple(_compile_effect(e, self.rank, pl) for e in effects), paired
+
+    def compute(self, kind, chunk, buffer, pair=None):
+        key = (kind, chunk, pair)
+        head = self.memo.get(key)
+        if head is None:
+            head = self.memo[key] = _compute_effect(self.rank, self.placement, kind, chunk, None, pair=pair)
+        return head[:3] + (None if buffer is None else (chunk, buffer), ) + head[4:]
+
+    def p2p(self, is_send, kind, chunk, buffer):
+        key = (is_send, kind, chunk)
+        head = self.memo.get(key)
+        if head is None:
+            head = self.memo[key] = _p2p_effect(self.rank, self.placement, is_send, kind, chunk, None)
+        if head[0] is _RAISE:
+            return head
+        return head[:4] + ((chunk, buffer), ) + head[5:11] + (buffer, ) + head[12:]
+
+
+_FAST = {
+    ds.LoadMicroBatch: lambda c, i, chunk: ((_LOAD, (chunk, i.buffer_id)), ),
+    ForwardBackwardPass: lambda c, i, chunk: tuple(
+        c.compute(kind, ch, buf, _PAIRED)
+        for kind, ch, buf in zip(i.kinds(), (i.fwd_chunk, i.bwd_chunk), (i.fwd_buffer, i.bwd_buffer))),
+    ds.SendActivation: lambda c, i, chunk: (c.p2p(True, ACTIVATION, chunk, i.buffer_id), ),
+    ds.RecvActivation: lambda c, i, chunk: (c.p2p(False, ACTIVATION, chunk, i.buffer_id), ),
+    ds.SendGrad: lambda c, i, chunk: (c.p2p(True, GRADIENT, chunk, i.buffer_id), ),
+    ds.RecvGrad: lambda c, i, chunk: (c.p2p(False, GRADIENT, chunk, i.buffer_id), ),
+    ds.CommitP2P: lambda c, i, chunk: ((_COMMIT, ), ),
+    ds.ReduceGrads: lambda c, i, chunk: (),
+    ds.ReduceTiedGrads: lambda c, i, chunk: (),
+    ds.OptimizerStep: lambda c, i, chunk: ((_STEP, ), ),
+}
+for _t, _kind in PASS_KIND.items():
+    _FAST[_t] = lambda c, i, chunk, kind=_kind: (c.compute(kind, chunk, i.buffer_id), )
+_BUILT_IN = dict(_HANDLERS)  # the handlers registered above: their instructions compile directly
+
+
+def _lazy(placement, rank, sched):
+    compiler = _Compiler(placement, rank)
+    for step, cmds in enumerate(sched.steps()):
+        for instr in cmds:
+            yield compiler.compile(step, instr)
+
+
+def _replayable(factory):
+    """Whether the streams `factory` builds are a function of (micro_batches, stages, stage_id) alone, so that
+    one compiled copy serves every run and every simulation: DeepSpeed's TrainSchedule and DualPipeVSchedule,
+    and the OrderedSchedule classes whose lowering is the base's (every registered schedule)."""
+    if factory is ds.TrainSchedule or factory is ds.DualPipeVSchedule:
+        return True
+    return (isinstance(factory, type) and issubclass(factory, OrderedSchedule)
+            and all(getattr(factory, name) is getattr(OrderedSchedule, name) for name in _LOWERING))
+
+
+_LOWERING = ('__init__', 'steps', '_lower', '_before', '_after', '_instr', '_remote', '_at_end', '_neighbour',
+             '_check_order')
+_PROGRAMS_KEPT = 4_000_000  # compiled instructions kept in _PROGRAMS, the least recently used dropped first
+
+
+def _program_key(factory, placement, stages, micro_batches):
+    return factory, type(placement), tuple(placement.handlers.items()), stages, micro_batches
+
+
+def _programs(factory, placement, stages, micro_batches, first):
+    """Every rank's compiled stream, from `first` (the schedule objects) unless kept from an earlier simulation."""
+    key = _program_key(factory, placement, stages, micro_batches)
+    programs = _PROGRAMS.get(key)
+    if programs is not None:
+        _PROGRAMS.move_to_end(key)
+        return programs
+    programs = []
+    for r in range(stages):
+        compile_ = _Compiler(placement, r).compile
+        programs.append([compile_(step, instr) for step, cmds in enumerate(first[r].steps()) for instr in cmds])
+    _PROGRAMS[key] = programs
+    kept = sum(len(p) for ps in _PROGRAMS.values() for p in ps)
+    while kept > _PROGRAMS_KEPT and len(_PROGRAMS) > 1:
+        kept -= sum(len(p) for p in _PROGRAMS.popitem(last=False)[1])
+    return programs
+
+
+# ----------------------------------------------------------------------------------------------
 # The simulation.
 
 def _unit_cost(kind, size):
@@ -151,18 +325,20 @@ def _describe(msg):
     return what + ('' if direction is None else f' direction {direction}')
 
 
-class _Op:
-    """One posted (or queued) point-to-point operation."""
-    __slots__ = ('rank', 'peer', 'is_send', 'msg', 'where', 'posted', 'done', 'on_match')
+def _at(where):
+    rank, it, step, instr = where
+    return f'rank {rank} (iteration {it}, step {step}: {instr!r})'
 
-    def __init__(self, rank, peer, is_send, msg, where, on_match=None):
-        self.rank, self.peer, self.is_send, self.msg, self.where = rank, peer, is_send, msg, where
-        self.posted = self.done = None
-        self.on_match = on_match
 
-    def describe(self):
-        verb = f'send {_describe(self.msg)} to' if self.is_send else f'receive {_describe(self.msg)} from'
-        return f'{verb} rank {self.peer}'
+# A posted (or queued) point-to-point operation is a list: [rank, peer, is_send, msg, where (rank, iteration,
+# step, instruction), channel, posted, done, match, buffer, owner]; `match` says what a receive does to its
+# buffer when it matches (1: an input activation, 2: an output gradient, 0: nothing), `owner` is its _Rank.
+_PEER, _IS_SEND, _MSG, _WHERE, _CHANNEL, _POSTED, _DONE, _MATCH, _BUF, _OWNER = range(1, 11)
+
+
+def _op_describe(op):
+    verb = f'send {_describe(op[_MSG])} to' if op[_IS_SEND] else f'receive {_describe(op[_MSG])} from'
+    return f'{verb} rank {op[_PEER]}'
 
 
 class _Buffer:
@@ -180,15 +356,31 @@ class _Buffer:
 
 
 class _Rank:
-    def __init__(self, rank, steps):
-        self.rank, self.steps = rank, steps  # steps: iterator of (iteration, step, instruction)
+    __slots__ = ('rank', 'programs', 'run', 'runs', 'prog', 'pos', 'source', 'source_of', 'it', 'step', 'instr',
+                 'effects', 'epos', 'pair', 'clock', 'waiting', 'queued', 'finished', 'buffers', 'counts', 'forwards',
+                 'backwards', 'pending_w', 'meta_done', 'grad_slot', 'in_flight', 'memory', 'peak', 'passes',
+                 'iteration_end', 'messages', 'validated_through', 'validation_waits', 'costs', 'deltas', 'dispatch',
+                 'wpos', 'wclock', 'count')
+
+    def __init__(self, rank, runs, program, source_of=None):
+        self.rank = rank
+        self.runs = runs  # runs of the stream
+        self.programs = program  # the compiled stream of one run (shared by all), or None: `source_of(run)` per run
+        self.source_of = source_of  # run -> iterator of its compiled entries, pulled as the rank reaches them
+        self.source = None
+        self.run, self.prog, self.pos = -1, (), 0  # entries of run `run`, the next one at `pos`
+        self.it = None  # the run of the instruction being executed (None before the first)
+        self.step = self.instr = None
+        self.effects, self.epos = (), 0  # its effects, the next one at `epos`
+        self.pair = None  # the pair id of its paired computes
         self.clock = 0.0
-        self.where = None  # (iteration, step, instruction) being executed
-        self.effects, self.waiting, self.queued = deque(), [], []
+        self.waiting, self.queued = (), []
+        self.wpos, self.wclock = 0, None  # the ops of `waiting` before wpos are done, the latest ending at wclock
+        self.count = 0  # instructions of the runs it has finished
         self.finished = False
         self.buffers = {}
-        self.counts = Counter()
-        self.forwards, self.backwards = set(), set()  # (iteration, chunk, direction, micro-batch)
+        self.counts = {}  # (chunk, direction, 'F' or 'recv') -> passes of the current run so far
+        self.forwards, self.backwards = set(), set()  # (chunk, direction, micro-batch) of the current run
         self.pending_w = []  # (chunk, buffer) in B order
         self.meta_done = set()  # (is_send, chunk) once the activation shapes went through
         self.grad_slot = None  # stock engine: gradient received but not yet used
@@ -198,18 +390,36 @@ class _Rank:
         self.messages = []  # (iteration, is_send, kind, peer rank) of each data send / receive, in stream order
         self.validated_through = -1  # post-validation: the last iteration whose norm this rank waited for
         self.validation_waits = {}  # iteration -> how long this rank waited for its norm before the next one
+        self.costs, self.deltas = {}, {}  # (chunk, kind) -> a pass's cost (where fixed) and memory delta
+        self.dispatch = 0.0
+
+    def peek(self):
+        """(run, entry) of the next instruction, or None at the end of the last run; moves on to the next run
+        (building its stream) when this one is done."""
+        while self.pos >= len(self.prog):
+            if self.source is not None:
+                entry = next(self.source, None)
+                if entry is not None:
+                    self.prog.append(entry)
+                    break
+            if self.run + 1 >= self.runs:
+                return None
+            self.count += len(self.prog)
+            self.run, self.pos = self.run + 1, 0
+            if self.programs is not None:
+                self.prog = self.programs
+            else:
+                self.prog, self.source = [], self.source_of(self.run)
+        return self.run, self.prog[self.pos]
 
     def at(self):
-        it, step, instr = self.where
-        return f'rank {self.rank} (iteration {it}, step {step}: {instr!r})'
-
-    def buffer(self, chunk, buffer_id):
-        return self.buffers.setdefault((chunk, buffer_id), _Buffer())
+        return _at((self.rank, self.it, self.step, self.instr))
 
 
 class _Simulation:
     def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None, replayed=(), rollback_cost=0.0):
+                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None, replayed=(), rollback_cost=0.0,
+                 fixed_costs=False, messages=True):
         self.step_cost = step_cost if isinstance(step_cost, dict) else {r: step_cost for r in range(ranks)}
         self.rollback_cost = (rollback_cost if isinstance(rollback_cost, dict)
                               else {r: rollback_cost for r in range(ranks)})
@@ -225,21 +435,29 @@ class _Simulation:
         self.validation = validation
         self.norm_started = {}  # iteration -> {rank: when it reached its OptimizerStep (started the norm)}
         self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
+        self.fixed_costs = fixed_costs  # a pass's cost depends on (rank, chunk, kind) only: looked up once
+        self.record_messages = messages  # whether the ranks list their sends and receives (`SimResult.messages`)
         self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
         self.dispatch = dispatch if isinstance(dispatch, dict) else {r: dispatch for r in range(ranks)}
         self.memory = memory  # (rank, chunk, kind, size) -> activation-memory delta of that pass
-        # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
-        first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
+        runs = len(self.run_iteration)  # a run of a replayed iteration counts as an iteration here
+        if _replayable(factory):
+            kept = _program_key(factory, placement, ranks, micro_batches) in _PROGRAMS
+            # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
+            first = None if kept else [factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
+                                       for r in range(ranks)]
+            programs = _programs(factory, placement, ranks, micro_batches, first)
+            self.ranks = [_Rank(r, runs, programs[r]) for r in range(ranks)]
+        else:
+            first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
 
-        def stream(r):
-            for run in range(len(self.run_iteration)):  # a run of a replayed iteration counts as an iteration here
-                sched = first[r] if run == 0 else factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
-                for step, cmds in enumerate(sched.steps()):
-                    for instr in cmds:
-                        yield run, step, instr
-
-        self.ranks = [_Rank(r, stream(r)) for r in range(ranks)]
-        self.channels = {}  # (src, dst) -> (deque of sends, deque of receives), in posting order
+            def source_of(r):  # a rank's runs: its first schedule object, then a new one per run, as before
+                return lambda run: _lazy(placement, r, first[r] if run == 0 else factory(
+                    micro_batches=micro_batches, stages=ranks, stage_id=r))
+            self.ranks = [_Rank(r, runs, None, source_of(r)) for r in range(ranks)]
+        for rk in self.ranks:
+            rk.dispatch = self.dispatch.get(rk.rank, 0.0)
+        self.channels = {}  # (src, dst[, kind]) -> (deque of sends, deque of receives), in posting order
         self.next_pair = 0
 
     # -- driving ------------------------------------------------------------------------------
@@ -247,85 +465,315 @@ class _Simulation:
         # Matching depends only on each rank's posting order, never on which rank runs first, so
         # sweeping the ranks until none moves gives the same answer as an event queue.
         progress = True
+        advance = self._advance
         while progress:
             progress = False
             for rank in self.ranks:
-                progress |= self._advance(rank)
+                waiting = rank.waiting
+                if waiting and waiting[rank.wpos][_DONE] is None:
+                    continue  # still waiting: it would not move
+                if advance(rank):
+                    progress = True
         if not all(r.finished for r in self.ranks):
             raise ScheduleError(self._stuck_report())
         self._final_checks()
 
     def _advance(self, rk):
-        moved = False
-        while not rk.finished:
-            if rk.waiting:
-                if any(op.done is None for op in rk.waiting):
-                    return moved
-                rk.clock = max([rk.clock] + [op.done for op in rk.waiting])
-                rk.waiting = []
-            if not rk.effects:
-                nxt = next(rk.steps, None)
-                if rk.in_flight and (nxt is None or nxt[0] != rk.where[0]):
-                    # an engine with asynchronous sends waits for them before its batch ends
-                    rk.steps = itertools.chain([nxt] if nxt is not None else [], rk.steps)
-                    rk.waiting, rk.in_flight = rk.in_flight, []
-                    continue
-                if rk.where is not None and (nxt is None or nxt[0] != rk.where[0]):
-                    rk.iteration_end[rk.where[0]] = rk.clock
-                    if self.validation and not self._validated(rk, rk.where[0]):
-                        # its next iteration (or, after its last, the end of the run) waits for the norm
-                        rk.steps = itertools.chain([nxt] if nxt is not None else [], rk.steps)
-                        return moved
-                if nxt is None:
-                    if rk.queued:
-                        raise ScheduleError(f'{rk.at()} is the end of the stream of rank {rk.rank}, but its queued '
-                                            f'p2p was never launched by a CommitP2P: '
-                                            + '; '.join(op.describe() for op in rk.queued))
-                    rk.finished = True
-                    return True
-                rk.where = nxt
-                rk.effects.extend(self._effects_of(rk, nxt[2]))
-                continue  # the instruction may have no effect at all
-            self._apply(rk, rk.effects.popleft())
-            moved = True
-        return moved
+        """Run rank `rk` until it waits for a message (or the norm) or its stream ends; whether it moved.
 
-    def _effects_of(self, rk, instr):
-        handler = self.placement.handlers.get(type(instr)) or _HANDLERS.get(type(instr))
-        if handler is None:
-            raise ScheduleError(f'{rk.at()}: the simulator does not understand {type(instr).__name__} '
-                                f'(teach it with register_instruction)')
-        effects = list(handler(instr, Context(rk.rank, self.placement, self.placement.chunk_of(rk.rank, instr))))
-        if any(isinstance(e, Compute) and e.pair is True for e in effects):
-            self.next_pair += 1  # the paired computes of this instruction share one id
-            effects = [replace(e, pair=self.next_pair) if isinstance(e, Compute) and e.pair is True else e
-                       for e in effects]
-        return effects
+        The hot path: the instructions of a run and their usual effects, with the rank's state in local variables
+        (written back before anything else reads it). Whatever is unusual (the first instruction of a run, the end of
+        the stream, a tensor-shape message, a check that fails, any other effect) goes through the methods below,
+        which do the same with every check and error message."""
+        if rk.finished:
+            return False
+        moved = False
+        rank, pl = rk.rank, self.placement
+        forward_only, fixed_costs, latency, recv_cpu, send_cpu = (self.forward_only, self.fixed_costs, self.latency,
+                                                                   self.recv_cpu, self.send_cpu)
+        batched, async_sends, tensor_meta = pl.batched_p2p, pl.async_sends, pl.tensor_meta
+        single_slot = pl.single_grad_slot
+        cost_of, memory_of, channels, dispatch = self.cost, self.memory, self.channels, rk.dispatch
+        buffers, deltas, costs, passes, messages = rk.buffers, rk.deltas, rk.costs, rk.passes, rk.messages
+        record = self.record_messages
+        pending_w, meta_done = rk.pending_w, rk.meta_done
+        clock, memory, peak = rk.clock, rk.memory, rk.peak
+        counts, forwards, backwards, in_flight = rk.counts, rk.forwards, rk.backwards, rk.in_flight
+        effects, epos, prog, pos, it, run = rk.effects, rk.epos, rk.prog, rk.pos, rk.it, rk.run
+        step, instr, pair_id = rk.step, rk.instr, rk.pair
+        while True:
+            waiting = rk.waiting
+            if waiting:
+                # it goes on once every op it waits for is done, at the latest of their ends; the ops found done
+                # are not looked at again (at a batch's end it waits for every asynchronous send of the batch)
+                if len(waiting) == 1:
+                    done = waiting[0][_DONE]
+                    if done is None:
+                        rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                        rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                        return moved
+                    if done > clock:
+                        clock = done
+                    rk.waiting = ()
+                    waiting = ()
+            if waiting:
+                latest = rk.wclock if rk.wpos else clock
+                for i in range(rk.wpos, len(waiting)):
+                    done = waiting[i][_DONE]
+                    if done is None:
+                        rk.wpos, rk.wclock = i, latest
+                        rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                        rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                        return moved
+                    if done > latest:
+                        latest = done
+                clock = latest
+                rk.waiting, rk.wpos = (), 0
+            if epos >= len(effects):  # the instruction is done: the next one
+                if pos < len(prog) and it == run:  # within the run
+                    step, instr, effects, paired = prog[pos]
+                    pos += 1
+                    epos = 0
+                    if paired:
+                        self.next_pair += 1  # the paired computes of this instruction share one id
+                        pair_id = self.next_pair
+                    if not effects:
+                        continue
+                else:
+                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                    done = self._next_instruction(rk)
+                    clock, effects, epos, prog, pos = rk.clock, rk.effects, rk.epos, rk.prog, rk.pos
+                    it, run, step, instr, pair_id = rk.it, rk.run, rk.step, rk.instr, rk.pair
+                    counts, forwards, backwards, in_flight = rk.counts, rk.forwards, rk.backwards, rk.in_flight
+                    if done is not None:
+                        return done or moved
+                    continue
+            e = effects[epos]
+            epos += 1
+            moved = True
+            op = e[0]
+            if op is _COMPUTE:
+                kind, chunk, bkey, mb, direction = e[1], e[2], e[3], e[4], e[5]
+                if bkey is not None:
+                    buf = buffers.get(bkey)
+                    if buf is None:
+                        buf = buffers[bkey] = _Buffer()
+                    usual = True
+                else:
+                    usual = False
+                if usual:
+                    if kind == 'F':
+                        n = counts.get(e[13], 0)
+                        if mb is None:
+                            mb = n
+                        up_local = e[15]
+                        usual = buf.act is None and (
+                            buf.loaded if e[10] is None else
+                            buf.inp == (it, mb) if e[14] else (up_local, direction, mb) in forwards)
+                        if usual:
+                            counts[e[13]] = n + 1
+                            buf.loaded, buf.inp, buf.out = False, None, (it, mb)
+                            if not forward_only:  # without autograd nothing is kept for a backward
+                                buf.act = buf.out
+                            forwards.add((chunk, direction, mb))
+                            delta = 0.0 if forward_only else deltas.get(e[12])
+                    elif forward_only:
+                        usual = False
+                    elif kind == 'W':
+                        usual = bkey in pending_w
+                        if usual:
+                            pending_w.remove(bkey)
+                            if mb is None:
+                                mb = buf.act[1]
+                            buf.act, buf.b_done = None, False
+                            delta = deltas.get(e[12])
+                    elif kind == 'B' or kind == 'BW':
+                        act = buf.act
+                        usual = act is not None and not buf.b_done
+                        if usual:
+                            if mb is None:
+                                mb = act[1]
+                            if e[16]:  # downstream on another rank
+                                usual = buf.grad == act
+                            elif e[17] is not None:  # downstream on this rank
+                                usual = (e[17], direction, mb) in backwards
+                        if usual:
+                            if e[16] and single_slot:
+                                rk.grad_slot = None
+                            backwards.add((chunk, direction, mb))
+                            buf.grad, buf.out, buf.bwd = None, None, (it, mb)
+                            delta = deltas.get(e[12])
+                            if kind == 'BW':
+                                buf.act = None
+                            else:
+                                buf.b_done = True
+                                pending_w.append(bkey)
+                    else:
+                        usual = False
+                if not usual:  # the full method: it creates the buffer, checks everything and raises
+                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                    self._compute(rk, e)
+                    clock, memory, peak = rk.clock, rk.memory, rk.peak
+                    continue
+                if delta is None:
+                    delta = deltas[e[12]] = memory_of(rank, chunk, kind, e[8])
+                clock += dispatch
+                start = clock
+                cost = costs.get(e[12])
+                if cost is None:
+                    cost = cost_of(rank, chunk, kind, e[8])
+                    if fixed_costs:
+                        costs[e[12]] = cost
+                clock = start + cost
+                memory += delta if e[7] is None else e[7]
+                if memory > peak:
+                    peak = memory
+                pair = e[6]
+                passes.append(Pass(kind, e[9], chunk, mb, start, clock, direction,
+                                   pair_id if pair is _PAIRED else pair, it))
+            elif op is _P2P:
+                is_send, kind, bkey = e[1], e[2], e[4]
+                buf = buffers.get(bkey)
+                if buf is None:
+                    buf = buffers[bkey] = _Buffer()
+                match = 0
+                if kind == ACTIVATION:
+                    if tensor_meta and e[10] not in meta_done:
+                        buf = None  # the shapes first: the method
+                    else:
+                        if is_send:
+                            mb = buf.out
+                            if mb is None:
+                                buf = None
+                        else:
+                            n = counts.get(e[12], 0)
+                            mb = (it, n)
+                            counts[e[12]] = n + 1
+                            match = 1
+                else:
+                    if is_send:
+                        mb = buf.bwd
+                        if mb is None:
+                            buf = None
+                        else:
+                            buf.bwd = None
+                    else:
+                        mb = buf.out
+                        if mb is None:
+                            buf = None
+                        match = 2
+                if buf is None:  # the full method: the shapes, or an error
+                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                    self._p2p(rk, e)
+                    clock, epos = rk.clock, rk.epos
+                    continue
+                peer = e[6]
+                new = [rank, peer, is_send, (kind, e[7], e[8], e[5], mb[0], mb[1]), (rank, it, step, instr), e[9],
+                       None, None, match, buf, rk]
+                if record:
+                    messages.append((it, is_send, kind, peer))
+                if is_send:
+                    clock += send_cpu
+                if batched:
+                    rk.queued.append(new)
+                    continue
+                # post it (as _post)
+                new[_POSTED] = clock
+                queues = channels.get(e[9])
+                if queues is None:
+                    queues = channels[e[9]] = (deque(), deque())
+                if is_send:
+                    if async_sends:
+                        in_flight.append(new)
+                    else:
+                        rk.waiting = [new]
+                    if not queues[1]:
+                        queues[0].append(new)
+                        continue
+                    s, r = new, queues[1].popleft()
+                else:
+                    rk.waiting = [new]
+                    if not queues[0]:
+                        queues[1].append(new)
+                        continue
+                    s, r = queues[0].popleft(), new
+                if s[_MSG] != r[_MSG]:
+                    self._protocol_error(s, r)
+                s_posted, r_posted = s[_POSTED], r[_POSTED]
+                s[_DONE] = done = (s_posted if s_posted >= r_posted else r_posted) + latency
+                r[_DONE] = done + recv_cpu
+                if r[_MATCH]:
+                    self._matched(r)
+            else:
+                rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
+                self._apply(rk, e)
+                clock = rk.clock
+                in_flight = rk.in_flight
+
+    def _next_instruction(self, rk):
+        """At the end of an instruction, when the next is not one of the same run: the end of a run (a batch) and
+        of the stream. None when the rank goes on, False when it waits for the norm, True when it finished."""
+        nxt = rk.peek()
+        it = rk.it
+        if it is not None and (nxt is None or nxt[0] != it):
+            if rk.in_flight:
+                # an engine with asynchronous sends waits for them before its batch ends
+                rk.waiting, rk.in_flight = rk.in_flight, []
+                return None
+            rk.iteration_end[it] = rk.clock
+            if self.validation and not self._validated(rk, it):
+                # its next iteration (or, after its last, the end of the run) waits for the norm
+                return False
+        if nxt is None:
+            if rk.queued:
+                raise ScheduleError(f'{rk.at()} is the end of the stream of rank {rk.rank}, but its queued '
+                                    f'p2p was never launched by a CommitP2P: '
+                                    + '; '.join(_op_describe(op) for op in rk.queued))
+            rk.finished = True
+            rk.count += len(rk.prog)
+            return True
+        run, (step, instr, effects, paired) = nxt
+        rk.pos += 1
+        if run != it:  # a new run: its counts start again
+            rk.counts, rk.forwards, rk.backwards = {}, set(), set()
+        rk.it, rk.step, rk.instr, rk.effects, rk.epos = run, step, instr, effects, 0
+        if paired:
+            self.next_pair += 1
+            rk.pair = self.next_pair
+        return None
 
     def _apply(self, rk, e):
-        if isinstance(e, Compute):
-            self._compute(rk, e)
-        elif isinstance(e, Load):
-            rk.buffer(e.chunk, e.buffer).loaded = True
-        elif isinstance(e, (Send, Recv)):
-            self._p2p(rk, e)
-        elif isinstance(e, StepWork):
+        op = e[0]
+        if op is _LOAD:
+            buf = rk.buffers.get(e[1])
+            if buf is None:
+                buf = rk.buffers[e[1]] = _Buffer()
+            buf.loaded = True
+        elif op is _STEP:
             before, after = self._step_parts(rk.rank)
             rk.clock += before
-            self.norm_started.setdefault(rk.where[0], {}).setdefault(rk.rank, rk.clock)
+            self.norm_started.setdefault(rk.it, {}).setdefault(rk.rank, rk.clock)
             if self.validation != 'wait':  # (waiting, the rank steps once the norm is in: _validated)
                 rk.clock += after
-            if rk.where[0] in self.wasted:  # its step redoes the one before (a rollback), its own is not taken
+            if rk.it in self.wasted:  # its step redoes the one before (a rollback), its own is not taken
                 rk.clock += self.rollback_cost.get(rk.rank, 0.0)
-        elif isinstance(e, Commit):
+        elif op is _COMMIT:
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
                                     f'(its sends and receives are blocking)')
-            for op in rk.queued:
-                self._post(rk, op)
+            for q in rk.queued:
+                self._post(rk, q)
             rk.waiting, rk.queued = rk.queued, []
+        elif op is _RAISE:
+            if isinstance(e[1], Exception):
+                raise e[1]
+            raise ScheduleError(f'{rk.at()}: {e[1]}')
         else:
-            raise ScheduleError(f'{rk.at()}: unknown effect {e!r}')
+            raise ScheduleError(f'{rk.at()}: unknown effect {e[1]!r}')
 
     def _validated(self, rk, it):
         """Post-validation (`validation`): whether the model's norm of iteration `it` is known, every rank having
@@ -350,98 +798,121 @@ class _Simulation:
 
     # -- compute and the ordering rules it checks ------------------------------------------------
     def _compute(self, rk, e):
-        pl, it = self.placement, rk.where[0]
-        size = pl.chunk_size(rk.rank, e.chunk)
-        up = pl.neighbour(rk.rank, e.chunk, -1, e.direction)
-        down = pl.neighbour(rk.rank, e.chunk, +1, e.direction)
-        buf = rk.buffer(e.chunk, e.buffer) if e.buffer is not None else None
-        fail = lambda why: ScheduleError(f'{rk.at()}: {why}')  # noqa: E731
-        if e.kind == 'F':
-            mb = e.micro_batch
+        _, kind, chunk, bkey, mb, direction, pair, memory, size, stage, up, down, ck, fkey = e[:14]
+        it = rk.it
+        if bkey is not None:
+            buf = rk.buffers.get(bkey)
+            if buf is None:
+                buf = rk.buffers[bkey] = _Buffer()
+        else:
+            buf = None
+        if kind == 'F':
+            counts = rk.counts
+            n = counts.get(fkey, 0)
             if mb is None:
-                mb = rk.counts[(it, e.chunk, e.direction, 'F')]
-            rk.counts[(it, e.chunk, e.direction, 'F')] += 1
+                mb = n
+            counts[fkey] = n + 1
             if buf is not None:
                 if buf.act is not None:
-                    raise fail(f'buffer misuse: forward of micro-batch {mb} overwrites the live '
-                               f'activations of micro-batch {buf.act[1]} in buffer {e.buffer}')
-                if up is None and not buf.loaded:
-                    raise fail(f'forward of the first stage on buffer {e.buffer} without a LoadMicroBatch')
-                if up is not None and up[0] != rk.rank and buf.inp != (it, mb):
+                    raise self._fail(rk, f'buffer misuse: forward of micro-batch {mb} overwrites the live '
+                                         f'activations of micro-batch {buf.act[1]} in buffer {bkey[1]}')
+                if up is None:
+                    if not buf.loaded:
+                        raise self._fail(rk, f'forward of the first stage on buffer {bkey[1]} without a '
+                                             f'LoadMicroBatch')
+                elif up[0] != rk.rank and buf.inp != (it, mb):
                     got = 'nothing' if buf.inp is None else f'micro-batch {buf.inp[1]}'
-                    raise fail(f'forward of micro-batch {mb} but buffer {e.buffer} holds {got} received '
-                               f'from rank {up[0]} (missing or unfinished RecvActivation?)')
+                    raise self._fail(rk, f'forward of micro-batch {mb} but buffer {bkey[1]} holds {got} received '
+                                         f'from rank {up[0]} (missing or unfinished RecvActivation?)')
                 buf.loaded, buf.inp, buf.out = False, None, (it, mb)
                 if not self.forward_only:  # without autograd nothing is kept for a backward
-                    buf.act = (it, mb)
-            if up is not None and up[0] == rk.rank and (it, up[1], e.direction, mb) not in rk.forwards:
-                raise fail(f'forward of micro-batch {mb} before its forward on the local upstream chunk {up[1]}')
-            rk.forwards.add((it, e.chunk, e.direction, mb))
-            delta = 0.0 if self.forward_only else self.memory(rk.rank, e.chunk, 'F', size)
+                    buf.act = buf.out
+            if up is not None and up[0] == rk.rank and (up[1], direction, mb) not in rk.forwards:
+                raise self._fail(rk, f'forward of micro-batch {mb} before its forward on the local upstream chunk '
+                                     f'{up[1]}')
+            rk.forwards.add((chunk, direction, mb))
+            if self.forward_only:
+                delta = 0.0
+            else:
+                delta = rk.deltas.get(ck)
+                if delta is None:
+                    delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
         elif self.forward_only:
-            raise fail(f'a {e.kind} pass in a forward-only run')
-        elif e.kind in ('B', 'BW'):
+            raise self._fail(rk, f'a {kind} pass in a forward-only run')
+        elif kind == 'B' or kind == 'BW':
             if buf is None or buf.act is None or buf.b_done:
-                raise fail(f'backward before its forward: buffer {e.buffer} of chunk {e.chunk} holds no '
-                           f'activations awaiting a backward')
-            mb = buf.act[1] if e.micro_batch is None else e.micro_batch
-            if down is not None and down[0] != rk.rank:
-                if buf.grad != buf.act:
-                    raise fail(f'backward of micro-batch {mb} without its gradient from rank {down[0]} '
-                               f'(missing or unfinished RecvGrad?)')
-                if pl.single_grad_slot:
-                    rk.grad_slot = None
-            if down is not None and down[0] == rk.rank and (it, down[1], e.direction, mb) not in rk.backwards:
-                raise fail(f'backward of micro-batch {mb} before its backward on the local downstream chunk {down[1]}')
-            rk.backwards.add((it, e.chunk, e.direction, mb))
+                raise self._fail(rk, f'backward before its forward: buffer {None if bkey is None else bkey[1]} of '
+                                     f'chunk {chunk} holds no activations awaiting a backward')
+            if mb is None:
+                mb = buf.act[1]
+            if down is not None:
+                if down[0] != rk.rank:
+                    if buf.grad != buf.act:
+                        raise self._fail(rk, f'backward of micro-batch {mb} without its gradient from rank '
+                                             f'{down[0]} (missing or unfinished RecvGrad?)')
+                    if self.placement.single_grad_slot:
+                        rk.grad_slot = None
+                elif (down[1], direction, mb) not in rk.backwards:
+                    raise self._fail(rk, f'backward of micro-batch {mb} before its backward on the local downstream '
+                                         f'chunk {down[1]}')
+            rk.backwards.add((chunk, direction, mb))
             buf.grad, buf.out, buf.bwd = None, None, (it, mb)
-            delta = self.memory(rk.rank, e.chunk, e.kind, size)
-            if e.kind == 'BW':
+            delta = rk.deltas.get(ck)
+            if delta is None:
+                delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
+            if kind == 'BW':
                 buf.act = None
             else:
                 buf.b_done = True
-                rk.pending_w.append((e.chunk, e.buffer))
-        elif e.kind == 'W':
-            key = (e.chunk, e.buffer) if e.buffer is not None else next(
-                (k for k in rk.pending_w if k[0] == e.chunk), None)
-            if key not in rk.pending_w:
-                raise fail(f'weight pass on chunk {e.chunk} buffer {e.buffer} with no pending input (B) pass')
-            rk.pending_w.remove(key)
-            buf = rk.buffer(*key)
-            mb = buf.act[1] if e.micro_batch is None else e.micro_batch
-            buf.act, buf.b_done, delta = None, False, self.memory(rk.rank, e.chunk, 'W', size)
+                rk.pending_w.append(bkey)
+        elif kind == 'W':
+            pending = rk.pending_w
+            key = bkey if bkey is not None else next((k for k in pending if k[0] == chunk), None)
+            if key not in pending:
+                raise self._fail(rk, f'weight pass on chunk {chunk} buffer {None if bkey is None else bkey[1]} with '
+                                     f'no pending input (B) pass')
+            pending.remove(key)
+            buf = rk.buffers.get(key)
+            if buf is None:
+                buf = rk.buffers[key] = _Buffer()
+            if mb is None:
+                mb = buf.act[1]
+            buf.act, buf.b_done = None, False
+            delta = rk.deltas.get(ck)
+            if delta is None:
+                delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
         else:
-            raise fail(f'unknown pass kind {e.kind!r}')
+            raise self._fail(rk, f'unknown pass kind {kind!r}')
 
-        start = rk.clock = rk.clock + self.dispatch.get(rk.rank, 0.0)
-        rk.clock += self.cost(rk.rank, e.chunk, e.kind, size)
-        rk.memory += delta if e.memory is None else e.memory
-        rk.peak = max(rk.peak, rk.memory)
-        rk.passes.append(Pass(e.kind, pl.stage(rk.rank, e.chunk), e.chunk, mb, start, rk.clock, e.direction,
-                              None if e.pair is False else e.pair, it))
+        start = rk.clock = rk.clock + rk.dispatch
+        cost = rk.costs.get(ck)
+        if cost is None:
+            cost = self.cost(rk.rank, chunk, kind, size)
+            if self.fixed_costs:
+                rk.costs[ck] = cost
+        end = rk.clock = start + cost
+        rk.memory += delta if memory is None else memory
+        if rk.memory > rk.peak:
+            rk.peak = rk.memory
+        rk.passes.append(Pass(kind, stage, chunk, mb, start, end, direction, rk.pair if pair is _PAIRED else pair, it))
+
+    @staticmethod
+    def _fail(rk, why):
+        return ScheduleError(f'{rk.at()}: {why}')
 
     # -- communication ---------------------------------------------------------------------------
     def _p2p(self, rk, e):
-        pl, it = self.placement, rk.where[0]
-        is_send = isinstance(e, Send)
-        # activations travel downstream, gradients upstream
-        step = +1 if (e.kind == ACTIVATION) == is_send else -1
-        peer = pl.neighbour(rk.rank, e.chunk, step, e.direction)
-        here = pl.stage(rk.rank, e.chunk)
-        if peer is None or peer[0] == rk.rank:
-            where = 'no such stage' if peer is None else 'it is on this rank'
-            raise ScheduleError(f'{rk.at()}: {e.kind} {"send" if is_send else "receive"} of stage {here} '
-                                f'has no peer rank ({where})')
-        there = pl.stage(*peer)
-        src, dst = (here, there) if is_send else (there, here)
+        _, is_send, kind, chunk, bkey, direction, peer, src, dst, channel, meta_key, buffer_id, recv_key = e
+        pl, it = self.placement, rk.it
 
         # The engines send the activation shapes once, with a blocking send/recv at the first
         # activation instruction of each chunk, even when the data itself is only queued (DualPipeV).
         # Modelling it keeps its place in the FIFO order exact rather than argued.
-        if pl.tensor_meta and e.kind == ACTIVATION and (is_send, e.chunk) not in rk.meta_done:
-            rk.meta_done.add((is_send, e.chunk))
-            op = _Op(rk.rank, peer[0], is_send, (META, src, dst, e.direction, it, None), rk.at())
-            rk.effects.appendleft(e)  # the data follows once the shapes are through
+        if kind == ACTIVATION and meta_key not in rk.meta_done and pl.tensor_meta:
+            rk.meta_done.add(meta_key)
+            op = [rk.rank, peer, is_send, (META, src, dst, direction, it, None), (rk.rank, it, rk.step, rk.instr),
+                  channel, None, None, 0, None, rk]
+            rk.epos -= 1  # the data follows once the shapes are through
             self._post(rk, op)
             if is_send and pl.async_sends:
                 rk.in_flight.append(op)
@@ -449,39 +920,33 @@ class _Simulation:
                 rk.waiting = [op]
             return
 
-        buf = rk.buffer(e.chunk, e.buffer)
-        on_match = None
-        if is_send and e.kind == ACTIVATION:
-            if buf.out is None:
-                raise ScheduleError(f'{rk.at()}: sends buffer {e.buffer}, which holds no forward output')
-            mb = buf.out
-        elif is_send:
-            if buf.bwd is None:
-                raise ScheduleError(f'{rk.at()}: sends the gradient of buffer {e.buffer}, whose backward has not run')
-            mb, buf.bwd = buf.bwd, None
-        elif e.kind == ACTIVATION:
-            key = (it, e.chunk, e.direction, 'recv')
-            mb = (it, rk.counts[key])
-            rk.counts[key] += 1
-
-            def on_match(buf=buf, mb=mb, at=rk.at()):
-                if buf.inp is not None:
-                    raise ScheduleError(f'{at}: buffer misuse: receives micro-batch {mb[1]} over the '
-                                        f'unused input of micro-batch {buf.inp[1]}')
-                buf.inp = mb
+        buf = rk.buffers.get(bkey)
+        if buf is None:
+            buf = rk.buffers[bkey] = _Buffer()
+        match = 0
+        if is_send:
+            if kind == ACTIVATION:
+                if buf.out is None:
+                    raise self._fail(rk, f'sends buffer {buffer_id}, which holds no forward output')
+                mb = buf.out
+            else:
+                if buf.bwd is None:
+                    raise self._fail(rk, f'sends the gradient of buffer {buffer_id}, whose backward has not run')
+                mb, buf.bwd = buf.bwd, None
+        elif kind == ACTIVATION:
+            n = rk.counts.get(recv_key, 0)
+            mb = (it, n)
+            rk.counts[recv_key] = n + 1
+            match = 1
         else:
             if buf.out is None:
-                raise ScheduleError(f'{rk.at()}: receives a gradient for buffer {e.buffer}, which holds no forward '
-                                    f'output')
+                raise self._fail(rk, f'receives a gradient for buffer {buffer_id}, which holds no forward output')
             mb = buf.out
-
-            def on_match(buf=buf, mb=mb, rk=rk, at=rk.at()):
-                if self.placement.single_grad_slot and rk.grad_slot is not None:
-                    raise ScheduleError(f'{at}: buffer misuse: the engine keeps one received gradient and this '
-                                        f'one overwrites the unused gradient of micro-batch {rk.grad_slot[1]}')
-                buf.grad = rk.grad_slot = mb
-        op = _Op(rk.rank, peer[0], is_send, (e.kind, src, dst, e.direction, mb[0], mb[1]), rk.at(), on_match)
-        rk.messages.append((it, is_send, e.kind, peer[0]))
+            match = 2
+        op = [rk.rank, peer, is_send, (kind, src, dst, direction, mb[0], mb[1]), (rk.rank, it, rk.step, rk.instr),
+              channel, None, None, match, buf, rk]
+        if self.record_messages:
+            rk.messages.append((it, is_send, kind, peer))
         if is_send:
             rk.clock += self.send_cpu
         if pl.batched_p2p:
@@ -494,39 +959,67 @@ class _Simulation:
                 rk.waiting = [op]
 
     def _post(self, rk, op):
-        op.posted = rk.clock
-        key = (op.rank, op.peer) if op.is_send else (op.peer, op.rank)
-        if self.placement.channels_by_kind:  # the shape message goes first on the activations' channel
-            key += (GRADIENT if op.msg[0] == GRADIENT else ACTIVATION, )
-        sends, recvs = self.channels.setdefault(key, (deque(), deque()))
-        (sends if op.is_send else recvs).append(op)
-        while sends and recvs:
-            s, r = sends.popleft(), recvs.popleft()
-            if s.msg != r.msg:
-                raise ScheduleError(f'protocol error between rank {s.rank} and rank {r.rank}: {r.where} waits to '
-                                    f'{r.describe()}, but the next message on that channel is {s.where} '
-                                    f'trying to {s.describe()}')
-            s.done = r.done = max(s.posted, r.posted) + self.latency
-            r.done += self.recv_cpu
-            if r.on_match:
-                r.on_match()
+        op[_POSTED] = rk.clock
+        queues = self.channels.get(op[_CHANNEL])
+        if queues is None:
+            queues = self.channels[op[_CHANNEL]] = (deque(), deque())
+        sends, recvs = queues
+        if op[_IS_SEND]:
+            if not recvs:
+                sends.append(op)
+                return
+            s, r = op, recvs.popleft()
+        else:
+            if not sends:
+                recvs.append(op)
+                return
+            s, r = sends.popleft(), op
+        # the heads of the channel meet (one side was empty before this op came)
+        if s[_MSG] != r[_MSG]:
+            self._protocol_error(s, r)
+        s_posted, r_posted = s[_POSTED], r[_POSTED]
+        s[_DONE] = done = (s_posted if s_posted >= r_posted else r_posted) + self.latency
+        r[_DONE] = done + self.recv_cpu
+        if r[_MATCH]:
+            self._matched(r)
+
+    @staticmethod
+    def _protocol_error(s, r):
+        raise ScheduleError(f'protocol error between rank {s[0]} and rank {r[0]}: {_at(r[_WHERE])} waits to '
+                            f'{_op_describe(r)}, but the next message on that channel is {_at(s[_WHERE])} '
+                            f'trying to {_op_describe(s)}')
+
+    def _matched(self, r):
+        buf, msg = r[_BUF], r[_MSG]
+        mb = (msg[4], msg[5])
+        if r[_MATCH] == 1:
+            if buf.inp is not None:
+                raise ScheduleError(f'{_at(r[_WHERE])}: buffer misuse: receives micro-batch {mb[1]} over the '
+                                    f'unused input of micro-batch {buf.inp[1]}')
+            buf.inp = mb
+        else:
+            rk = r[_OWNER]
+            if self.placement.single_grad_slot and rk.grad_slot is not None:
+                raise ScheduleError(f'{_at(r[_WHERE])}: buffer misuse: the engine keeps one received gradient and '
+                                    f'this one overwrites the unused gradient of micro-batch {rk.grad_slot[1]}')
+            buf.grad = rk.grad_slot = mb
 
     # -- diagnosis -------------------------------------------------------------------------------
     def _stuck_report(self):
         stuck = [r for r in self.ranks if not r.finished]
         lines, orphan = [], True
         for rk in stuck:
-            for op in (op for op in rk.waiting if op.done is None):
-                peer = self.ranks[op.peer]
+            for op in (op for op in rk.waiting if op[_DONE] is None):
+                peer = self.ranks[op[_PEER]]
                 if peer.finished:
                     state = 'which has finished its stream'
                 else:
                     orphan = False
                     state = f'which is itself blocked at {peer.at()}'
-                lines.append(f'  {rk.at()} waits to {op.describe()}, {state}')
+                lines.append(f'  {rk.at()} waits to {_op_describe(op)}, {state}')
         if orphan and lines:
-            kinds = {('send with no matching receive' if op.is_send else 'receive without send')
-                     for rk in stuck for op in rk.waiting if op.done is None}
+            kinds = {('send with no matching receive' if op[_IS_SEND] else 'receive without send')
+                     for rk in stuck for op in rk.waiting if op[_DONE] is None}
             head = ' and '.join(sorted(kinds)).capitalize() + ':'
         else:
             head = f'Deadlock: ranks {[r.rank for r in stuck]} cannot make progress:'
@@ -557,6 +1050,7 @@ class SimResult:
     # per rank, each data send / receive of one iteration in its stream's order: (is_send, kind, peer rank), what
     # pairs a traced run's p2p records with each other (trace.measured_p2p_cpu)
     messages: list = None
+    instructions: int = 0  # instructions simulated, every rank's, in the synchronised and the chained run
 
     def worst(self, key):
         return max(row[key] for row in self.per_rank)
@@ -655,12 +1149,17 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         schedule, placement = spec.factory, placement or spec.placement
     place = (placement or StockPlacement)(stages)
     units = _cost_function(costs)[1]
+    # a pass's cost is a function of (rank, chunk, kind) alone, looked up once per simulation, unless a function
+    # gives it or a kind lists durations taken in turn
+    fixed = costs is None or isinstance(costs, dict) and not any(
+        isinstance(v, list) for c in costs.values() for v in c.values())
     meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
 
     def run(n, replays=()):
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation, replays, rollback_cost)
+                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation, replays, rollback_cost,
+                          fixed, messages=n == 1)  # SimResult.messages: one iteration's
         sim.run()
         if replays:  # a run of a replayed iteration is numbered by its iteration, its end the last run's
             for r in sim.ranks:
@@ -668,6 +1167,16 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                 r.iteration_end = {sim.run_iteration[run]: end for run, end in sorted(r.iteration_end.items())}
         return sim.ranks
 
+    collecting = gc.isenabled()
+    gc.disable()  # a simulation makes many objects and frees few: the collector's sweeps would double its time
+    try:
+        return _simulate(run, iterations, replayed, stages, units, meta, place)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(run, iterations, replayed, stages, units, meta, place):
     one = run(1)
     makespan = max(r.clock for r in one)
     timeline = Timeline([r.passes for r in one], units, dict(meta, iterations=1))
@@ -688,5 +1197,6 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                          'peak_activation_memory': r.peak,
                          'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
     messages = [[m[1:] for m in r.messages] for r in one]
-    return SimResult(timeline, chained, makespan, period, per_rank, units, messages)
+    instructions = sum(r.count for r in one) + (sum(r.count for r in many) if iterations >= 3 else 0)
+    return SimResult(timeline, chained, makespan, period, per_rank, units, messages, instructions)
 
