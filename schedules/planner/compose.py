@@ -41,9 +41,23 @@ def cut(profile, method, stages, slices=0):
     n = len(profile.layers) - slices
     if slices:
         weights, stages = (None if weights is None else weights[:n]), stages - slices
-    parts = ds_utils.partition_uniform(n, stages) if weights is None else \
-        ds_utils.partition_balanced(weights=weights, num_parts=stages)
+    parts = ds_utils.partition_uniform(n, stages) if weights is None else _balanced(weights, stages)
     return [int(b) for b in parts] + [n + k for k in range(1, slices + 1)]
+
+
+_BALANCED = {}  # (weights, parts) -> partition_balanced's boundaries, kept: the chooser asks each once per schedule
+
+
+def _balanced(weights, parts):
+    """DeepSpeed's partition_balanced (a pure function, O(layers^2 x parts) in Python: seconds at 130 layers into
+    128 stages), computed once per weights and stage count."""
+    from deepspeed.runtime import utils as ds_utils
+    key = (tuple(weights), parts)
+    if key not in _BALANCED:
+        if len(_BALANCED) >= 256:
+            _BALANCED.clear()
+        _BALANCED[key] = [int(b) for b in ds_utils.partition_balanced(weights=list(weights), num_parts=parts)]
+    return list(_BALANCED[key])
 
 
 def split_head(profile, parts):

@@ -285,7 +285,8 @@ def _replayable(factory):
 
 _LOWERING = ('__init__', 'steps', '_lower', '_before', '_after', '_instr', '_remote', '_at_end', '_neighbour',
              '_check_order')
-_PROGRAMS_KEPT = 4_000_000  # compiled instructions kept in _PROGRAMS, the least recently used dropped first
+_PROGRAMS_KEPT = 600_000  # compiled instructions kept in _PROGRAMS (every schedule at p = 16, m = 64), the least
+# recently used dropped first: more would cost the collector more than it saves
 
 
 def _program_key(factory, placement, stages, micro_batches):
@@ -360,7 +361,7 @@ class _Rank:
                  'effects', 'epos', 'pair', 'clock', 'waiting', 'queued', 'finished', 'buffers', 'counts', 'forwards',
                  'backwards', 'pending_w', 'meta_done', 'grad_slot', 'in_flight', 'memory', 'peak', 'passes',
                  'iteration_end', 'messages', 'validated_through', 'validation_waits', 'costs', 'deltas', 'dispatch',
-                 'wpos', 'wclock', 'count')
+                 'wpos', 'wclock', 'count', 'constants')
 
     def __init__(self, rank, runs, program, source_of=None):
         self.rank = rank
@@ -455,10 +456,16 @@ class _Simulation:
                 return lambda run: _lazy(placement, r, first[r] if run == 0 else factory(
                     micro_batches=micro_batches, stages=ranks, stage_id=r))
             self.ranks = [_Rank(r, runs, None, source_of(r)) for r in range(ranks)]
-        for rk in self.ranks:
-            rk.dispatch = self.dispatch.get(rk.rank, 0.0)
         self.channels = {}  # (src, dst[, kind]) -> (deque of sends, deque of receives), in posting order
         self.next_pair = 0
+        # what _advance reads on every call, in one tuple
+        self.constants = (forward_only, fixed_costs, latency, self.recv_cpu, self.send_cpu, placement.batched_p2p,
+                          placement.async_sends, placement.tensor_meta, placement.single_grad_slot, cost, memory,
+                          self.channels, messages)
+        for rk in self.ranks:
+            rk.dispatch = self.dispatch.get(rk.rank, 0.0)
+            rk.constants = (rk.rank, rk.dispatch, rk.buffers, rk.deltas, rk.costs, rk.passes, rk.messages,
+                            rk.pending_w, rk.meta_done)
 
     # -- driving ------------------------------------------------------------------------------
     def run(self):
@@ -488,15 +495,9 @@ class _Simulation:
         if rk.finished:
             return False
         moved = False
-        rank, pl = rk.rank, self.placement
-        forward_only, fixed_costs, latency, recv_cpu, send_cpu = (self.forward_only, self.fixed_costs, self.latency,
-                                                                   self.recv_cpu, self.send_cpu)
-        batched, async_sends, tensor_meta = pl.batched_p2p, pl.async_sends, pl.tensor_meta
-        single_slot = pl.single_grad_slot
-        cost_of, memory_of, channels, dispatch = self.cost, self.memory, self.channels, rk.dispatch
-        buffers, deltas, costs, passes, messages = rk.buffers, rk.deltas, rk.costs, rk.passes, rk.messages
-        record = self.record_messages
-        pending_w, meta_done = rk.pending_w, rk.meta_done
+        (forward_only, fixed_costs, latency, recv_cpu, send_cpu, batched, async_sends, tensor_meta, single_slot,
+         cost_of, memory_of, channels, record) = self.constants
+        rank, dispatch, buffers, deltas, costs, passes, messages, pending_w, meta_done = rk.constants
         clock, memory, peak = rk.clock, rk.memory, rk.peak
         counts, forwards, backwards, in_flight = rk.counts, rk.forwards, rk.backwards, rk.in_flight
         effects, epos, prog, pos, it, run = rk.effects, rk.epos, rk.prog, rk.pos, rk.it, rk.run
