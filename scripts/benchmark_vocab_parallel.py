@@ -88,6 +88,31 @@ def common_flags(args):
     return flags
 
 
+_MATMUL = """
+import sys, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+times = []
+for _ in range(12):
+    t = time.perf_counter(); a @ b; times.append(time.perf_counter() - t)
+print(sorted(times)[6])
+"""
+
+
+def two_busy_ranks():
+    """How fast each of two single-threaded processes computing at once runs, against one alone (a 1024 x 1024
+    matmul, median of 12): what two busy pipeline ranks get from this machine's cores."""
+    import subprocess
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", _MATMUL], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    alone = float(start().communicate()[0])
+    pair = [start(), start()]
+    together = [float(p.communicate()[0]) for p in pair]
+    return {"alone_s": alone, "together_s": together, "speed_each": alone / statistics.mean(together)}
+
+
 def run_once(args, name, ranks, flags, env, folder):
     """One launch: {'steps': [seconds of each untraced step after warm-up], ...trace figures}."""
     from local_launch import launch
@@ -194,29 +219,36 @@ def predictions(args):
                 rows.append({"stages": p, "micro_batches": m, "error": str(e)})
                 continue
             whole = min((c for c in ranked if not c.vocab_parallel), key=lambda c: c.step, default=None)
+            # DualPipe holds two copies of the model: the best of the schedules that hold one, beside it
+            single = min((c for c in ranked if not c.vocab_parallel and c.schedule != "dualpipe"),
+                         key=lambda c: c.step, default=None)
             split = min((c for c in ranked if c.vocab_parallel), key=lambda c: c.step, default=None)
             row = {"stages": p, "micro_batches": m, "bound_s": (work * m + optimizer) / p}
-            for key, c in (("whole", whole), ("split", split)):
+            for key, c in (("whole", whole), ("whole_one_copy", single), ("split", split)):
                 if c is not None:
                     row[key] = {"schedule": c.label, "cut": c.cut, "step_s": c.step, "bubble": c.bubble,
                                 "peak_bytes": c.peak}
             if whole and split:
                 row["split_over_whole"] = whole.step / split.step
+            if single and split:
+                row["split_over_one_copy"] = single.step / split.step
             rows.append(row)
     lines = [f"predicted from {args.profile} ({profile.meta.get('model')} {profile.meta.get('model_size')}, "
              f"micro-batches of {profile.meta.get('micro_batch_size')}): one micro-batch through the model "
              f"{work * 1e3:.0f} ms, the optimizer step {optimizer * 1e3:.0f} ms",
-             f"{'p':>3} {'m':>3}  {'best whole':28} {'step s':>7}  {'best split':28} {'step s':>7} "
-             f"{'x whole':>7} {'bound s':>7} {'bound/split':>11}"]
+             f"{'p':>3} {'m':>3}  {'best whole':22} {'step s':>7}  {'best one-copy whole':22} {'step s':>7}  "
+             f"{'best split':24} {'step s':>7} {'x whole':>7} {'x 1-copy':>8} {'bound s':>7} {'bound/split':>11}"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['stages']:>3} {r['micro_batches']:>3}  {r['error']}")
             continue
-        w, s = r.get("whole"), r.get("split")
-        lines.append(f"{r['stages']:>3} {r['micro_batches']:>3}  {(w or {}).get('schedule', '-'):28} "
-                     f"{(w or {}).get('step_s', float('nan')):7.2f}  {(s or {}).get('schedule', '-'):28} "
-                     f"{(s or {}).get('step_s', float('nan')):7.2f} {r.get('split_over_whole', float('nan')):7.2f} "
-                     f"{r['bound_s']:7.2f} {r['bound_s'] / s['step_s'] if s else float('nan'):11.2f}")
+        w, o, s = (r.get(k) or {} for k in ("whole", "whole_one_copy", "split"))
+        nan = float("nan")
+        lines.append(f"{r['stages']:>3} {r['micro_batches']:>3}  {w.get('schedule', '-'):22} "
+                     f"{w.get('step_s', nan):7.2f}  {o.get('schedule', '-'):22} {o.get('step_s', nan):7.2f}  "
+                     f"{s.get('schedule', '-'):24} {s.get('step_s', nan):7.2f} {r.get('split_over_whole', nan):7.2f} "
+                     f"{r.get('split_over_one_copy', nan):8.2f} {r['bound_s']:7.2f} "
+                     f"{r['bound_s'] / s['step_s'] if s else nan:11.2f}")
     return rows, lines
 
 
@@ -233,6 +265,9 @@ def main(argv=None):
     from schedules.observe.memory import machine_line
     machine = machine_line()
     configs = configurations(args)
+    contention = two_busy_ranks()
+    print(f"two busy processes each compute at {contention['speed_each']:.2f} of one alone (a 1024 x 1024 "
+          "matmul, one thread each)", flush=True)
     folder = tempfile.mkdtemp(prefix="vocab-bench-")
     runs, started = {name: [] for name, *_ in configs}, time.time()
     for r in range(args.rounds):
@@ -243,10 +278,12 @@ def main(argv=None):
             print(f"round {r + 1}: {name}: {statistics.median(runs[name][-1]['steps']) * 1e3:.0f} ms per step "
                   f"({time.time() - t0:.0f} s)", flush=True)
     rows = summarise(runs)
-    lines = table(rows, args, machine) + [f"took {time.time() - started:.0f} s"]
+    lines = table(rows, args, machine) + [
+        f"two busy processes each computed at {contention['speed_each']:.2f} of one alone",
+        f"took {time.time() - started:.0f} s"]
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
-    report = {"machine": machine, "args": vars(args), "rows": rows, "runs": runs}
+    report = {"machine": machine, "args": vars(args), "rows": rows, "runs": runs, "two_busy_ranks": contention}
     with open(os.path.join(args.out, "vocab-parallel.json"), "w") as f:
         json.dump(report, f, indent=1)
     if args.docs:
