@@ -3,7 +3,10 @@
     profile.py   per-layer F, B, W, BW seconds and saved bytes, parameters, optimizer step, output bytes;
                  p2p latency and per-byte cost between ranks; the framework's own work per pass (JSON)
     compose.py   a cut of the layers and a placement -> the simulator's costs and memory per (rank, chunk)
-    choose.py    every trainable schedule x v x cut simulated, filtered by a memory budget, ranked
+    choose.py    every trainable schedule x v x cut simulated, filtered by a memory budget, ranked (with
+                 split=True also the vocabulary head split over the ranks: compose.split_head)
+    explore.py   the local page (scripts/explore.py): a server over the simulator, the chooser and traces,
+                 and its static files in explore_static/
 
 It reads the registry and the simulator, and the deferrable Linear's B / W split; it never builds an engine.
 """
