@@ -23,6 +23,7 @@ a missing file leaves its section saying how to produce it):
     interlock-timed-p4-zero1-bf16.json  the same in bf16: DeepSpeed's BF16 optimizer (--zero 1 --bf16)
     interlock-timed-p4-zero1-bf16-clipping-off.json  the same, clipping off, paired round by round
     interlock-timed-p2-clipping-off.json  p = 2, passes of set times, clipping off, paired round by round
+    simulator.json  scripts/benchmark_simulator.py: the simulator's speed, p = 4 to 64; the schedule table, the chooser
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -900,7 +901,7 @@ INTERLOCK_RUNS = ("interlock-clipping-off.json", "interlock-timed-p2-clipping-of
                   "interlock-timed-p8.json", "interlock-timed-p4-zero1.json", "interlock-timed-p4-zero1-bf16.json",
                   "interlock-timed-p4-zero1-bf16-clipping-off.json")
 INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json", "interlock.json") + INTERLOCK_RUNS
+          "peers.json", "peers-gptlite.json", "interlock.json") + INTERLOCK_RUNS + ("simulator.json", )
 
 
 def interlock_title(file):
@@ -1072,6 +1073,39 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
     return blocks(out)
 
 
+# --------------------------------------------------------------------------------------------
+# The simulator's own speed (benchmark_simulator.py)
+# --------------------------------------------------------------------------------------------
+def simulator_section(doc):
+    """Instructions simulated per second from p = 4 to 64 (m = 4p), the whole schedule table, the chooser."""
+    a = doc["args"]
+    by = {(r["schedule"], r["stages"]): r for r in doc["scaling"]}
+    rows = [[p, 4 * p, max(r["instructions"] for r in doc["scaling"] if r["stages"] == p)]
+            + [f"{by[(n, p)]['per_second'] / 1e3:.0f}k ({by[(n, p)]['cpu_s']:.2f} s)" if (n, p) in by else "-"
+               for n in a["schedules"]] for p in a["stages"]]
+    runs = [["`schedule_table.py`", t["stages"], t["micro_batches"],
+             f"{t['command_s']:.1f} / {t['command_cpu_s']:.1f}", f"{t['rows_s']:.1f} / {t['rows_cpu_s']:.1f}"]
+            for t in doc["table"]]
+    runs += [[f"`choose_schedule.py --profile` ({c['layers']} layers, {c['candidates']} candidates)", c["stages"],
+              c["micro_batches"], f"{c['command_s']:.1f} / {c['command_cpu_s']:.1f}",
+              f"{c['choose_s']:.1f} / {c['choose_cpu_s']:.1f}"] for c in doc["choose"]]
+    flags = [("--stages", a["stages"]), ("--schedules", a["schedules"]), ("--table", a["table"]),
+             ("--choose", a["choose"])]
+    return blocks(["## The simulator's speed", code(command("benchmark_simulator.py", flags) + " --docs"), para(f"""
+        On {doc['machine']} (load average {doc['load_average'][0]:g} when it started, {doc['load_end'][0]:g} when it
+        ended: other work shared the cores). Each figure is a first call, cold: the simulator compiles the schedule's
+        streams and the definitions build their orders within it. Instructions simulated: every rank's, in the
+        synchronised iteration and the 5 chained ones `simulate` runs; per second of the process's CPU time, and the
+        CPU seconds of the call (the most instructions at each p are the largest schedule's)."""),
+        table(["p", "m", "instructions (most)"] + [f"`{n}`" for n in a["schedules"]], rows), para("""
+        The whole schedule table (every registered schedule, `--micro-batches 4p`) and the chooser (every trainable
+        schedule, v and cut, on a synthetic profile whose three cuts differ), as commands (the interpreter's start
+        and the imports of torch and DeepSpeed included) and in the process (`schedule_table.rows`,
+        `schedules.choose`), seconds elapsed / of CPU (the command's own process and its children):"""),
+        table(["run", "p", "m", "as a command", "in the process"], runs),
+        para("Raw numbers: [`bench/simulator.json`](bench/simulator.json).")])
+
+
 def missing(title, name, how):
     return blocks([title, f"_No `bench/{name}` yet: run `{how}`._"])
 
@@ -1117,6 +1151,8 @@ def render(bench_dir=BENCH_DIR) -> str:
     for file in INTERLOCK_RUNS:
         if file in docs:
             parts.append(interlock_section(docs[file], interlock_title(file), file))
+    parts.append(simulator_section(docs["simulator.json"]) if "simulator.json" in docs else
+                 missing("## The simulator's speed", "simulator.json", "python scripts/benchmark_simulator.py --docs"))
     parts.append(blocks(GPU))
     return "\n".join(parts)
 
