@@ -507,3 +507,21 @@ def test_screenshot(page, tmp_path):
     out = Path(os.environ.get('EXPLORE_SCREENSHOT') or tmp_path / 'explore.png')
     assert page.driver.save_screenshot(str(out))
     assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_a_gptlite_profile_is_ranked_with_its_head_split_too():
+    """The page ranks what train.py --pipeline-schedule auto ranks for GPTlite: the split head's candidates too,
+    each drawn from the profile with its head split (the chooser's own figures)."""
+    profile = Profile.synthetic(6, F=1e-3, B=1e-3, W=1e-3, saved=1 << 20)
+    head = profile.layers[-1]
+    head.F, head.B, head.W, head.BW = 1e-2, 1e-2, 1e-2, 2e-2
+    profile.meta["model"] = "gptlite"
+    out = explore.chosen({'p': 4, 'm': 8, 'profile': profile.to_json(), 'draw': 3})
+    ref = choose(profile, 4, 8, split=True)
+    assert [(c['schedule'], c['vocab_parallel'], c['step_s']) for c in out['choice']['ranked']] == \
+        [(c.schedule, c.vocab_parallel, c.step) for c in ref.ranked]
+    assert ref.pick.vocab_parallel and out['runs'][0]['label'].startswith(ref.pick.label)
+    first = {}
+    for c in ref.ranked:  # the page draws the best cut of each of the first 3 schedules
+        first.setdefault(c.label, c)
+    assert [run['step'] for run in out['runs']] == [c.span for c in list(first.values())[:3]]

@@ -47,7 +47,7 @@ from schedules.observe.trace import (
     write_chrome_trace,
 )
 from schedules.planner.choose import MiB, choose, table, to_json
-from schedules.planner.compose import compose
+from schedules.planner.compose import compose, split_head
 from schedules.planner.profile import Profile
 from schedules.registry import available_schedules, schedule_spec
 from schedules.simulator.simulate import _memory_function, simulate
@@ -331,7 +331,8 @@ def chosen(req):
         units, budget = 'F', None if limit is None else limit / MiB  # units of activation: the chooser's bytes
     started = time.perf_counter()
     try:
-        choice = choose(profile, p, m, budget)
+        # a GPTlite profile: its vocabulary head split over the ranks too (train.py --vocab-parallel)
+        choice = choose(profile, p, m, budget, split=profile.meta.get('model') == 'gptlite')
     except ValueError as e:
         return {'error': str(e), 'units': units}
     out = {'error': None, 'units': units, 'choice': to_json(choice), 'table': table(choice),
@@ -353,6 +354,8 @@ def candidate_run(profile, candidate, stages, micro_batches):
     simulated with the arguments the chooser gives (schedules/planner/choose.py, `_simulated`)."""
     spec = schedule_spec(candidate.schedule, candidate.virtual_stages)
     place = spec.placement(stages)
+    if candidate.vocab_parallel:  # its parts cut the model with the head split into a slice per rank
+        profile = split_head(profile, stages)
     composed = compose(profile, place, candidate.parts)
     p2p = profile.p2p
     result = simulate(spec.factory, stages, micro_batches, placement=spec.placement, costs=composed['costs'],
