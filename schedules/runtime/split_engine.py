@@ -115,7 +115,10 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
         else:
             self.grad_layer = self._grads.pop(buffer_id)
         with accumulate_in_place(self._in_place):
-            super()._exec_backward_pass(buffer_id)
+            if self._several_outputs(buffer_id):
+                self._backward_at_once(buffer_id)
+            else:
+                super()._exec_backward_pass(buffer_id)
         self.grad_layer = None
         if self.is_last_stage():
             # DeepSpeed's backward returns early on the last stage and keeps its output (e.g. a language model's
@@ -123,6 +126,35 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
             # give the last stage a buffer per micro-batch in flight, and each would hold its logits to the end
             # of the step (and between steps)
             self.pipe_buffers['outputs'][buffer_id] = None
+
+    def _several_outputs(self, buffer_id):
+        """Whether this stage sent several floating tensors on (a split vocabulary head's statistics beside
+        its hidden state, a user's tuple): DeepSpeed 0.19.8 backpropagates them one `backward` call each,
+        the graph retained between calls, so the part of the graph they share (the head's logits and its
+        projection) would run once per tensor."""
+        if self.is_last_stage() or self.is_pipe_partitioned:
+            return False
+        outputs = self.pipe_buffers['outputs'][buffer_id]
+        return isinstance(outputs, tuple) and sum(t.is_floating_point() for t in outputs) > 1
+
+    def _backward_at_once(self, buffer_id):
+        """DeepSpeed's backward of a stage's tuple of outputs (engine.py, _exec_backward_pass), in one
+        autograd call over all of them: each part of the graph runs once, its gradients summed."""
+        outputs = [t for t in self.pipe_buffers['outputs'][buffer_id] if t.is_floating_point()]
+        grads = self.grad_layer
+        if len(outputs) != len(grads):
+            raise RuntimeError(f"stage {self.stage_id}: {len(grads)} output gradients for {len(outputs)} outputs")
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()  # as DeepSpeed's own non-last stages do: no optimizer.backward here
+        self._running_engine_backward = True
+        try:
+            torch.autograd.backward(outputs, grads)
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+        self.pipe_buffers['output_tensors'][buffer_id] = None
+        self.pipe_buffers['outputs'][buffer_id] = None
 
     def _exec_backward_weight_pass(self, buffer_id):
         if not self._deferred[buffer_id]:
