@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
-from schedules.runtime.vocab_parallel import VocabSlice, vocab_parallel_loss
+from schedules.runtime.vocab_parallel import VocabSlice, refusal, vocab_parallel_loss
 from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
@@ -198,8 +198,7 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
                        partition_weights=partition_weights)
     if vocab_parallel:
         if pipe_module is None:
-            raise ValueError("a split vocabulary head needs a schedule whose last chunk visits every rank "
-                             "(interleaved, zb-v, dualpipev, v-half, v-min)")
+            raise ValueError(refusal("this schedule keeps one stage per rank"))
         specs = layer_specs(config, vocab_parts=pipeline_num_stages)
         build = SeededLayerSpec if pipeline_spec_layers else build_layer
         layers = [build(specs, i, config.seed) for i in range(len(specs))]

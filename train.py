@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    from schedules.registry import trainable_schedules
+    from schedules.registry import splitting_schedules, trainable_schedules
     trainable = sorted(trainable_schedules())
     p = _Parser(description=__doc__.splitlines()[0])
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.flag("--activation-checkpoint-interval", type=int, default=0, help="checkpoint every N blocks; 0 = off")
     p.flag("--vocab-parallel", action="store_true",
            help="GPTlite: split the vocabulary head and its loss over the pipeline ranks, one slice each (with a "
-                "schedule whose last chunk visits every rank: interleaved, zb-v, dualpipev, v-half, v-min)")
+                f"schedule whose last chunk visits every rank: {', '.join(splitting_schedules())})")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")

@@ -167,7 +167,7 @@ def _validate_vocab_parallel(args, need):
     visits every rank (schedules/runtime/vocab_parallel.py)."""
     if not args.vocab_parallel:
         return
-    from schedules.runtime.vocab_parallel import splitting_schedules
+    from schedules.registry import splitting_schedules
     pp, name = args.pipeline_parallel_size, args.pipeline_schedule
     need(args.model == "gptlite", "--vocab-parallel splits GPTlite's vocabulary head: drop it for --model deep")
     need(pp >= 2, f"--vocab-parallel splits the head over the pipeline ranks: it needs --pipeline-parallel-size >= 2 "

@@ -59,8 +59,7 @@ def parse_args(argv=None):
 
 def configurations(args):
     """[(name, ranks, train.py flags, environment)]: one process, then each schedule whole and split."""
-    from schedules.registry import schedule_spec, trainable_schedules
-    from schedules.runtime.vocab_parallel import splitting_schedules
+    from schedules.registry import schedule_spec, splitting_schedules, trainable_schedules
     p, m = args.stages[0], args.micro_batches[0]
     out = [(ONE_PROCESS, 1, ["--pipeline-parallel-size", "0"], {"OMP_NUM_THREADS": "1"})]
     split = splitting_schedules(p)

@@ -62,20 +62,24 @@ def test_split_head_is_the_cross_entropy_of_the_unsplit_head(parts):
 
 
 def test_slices_cover_the_vocabulary_once():
-    from schedules.runtime.vocab_parallel import merge_slices, split_head_weight, vocab_bounds
+    from schedules.runtime.vocab_parallel import merge_slices, vocab_bounds
     for vocab, parts in ((50257, 2), (50257, 4), (37, 3), (8, 8)):
         bounds = [vocab_bounds(vocab, k, parts) for k in range(parts)]
         assert bounds[0][0] == 0 and bounds[-1][1] == vocab
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
         assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
-    state = {"0.weight": torch.randn(5, 3), "3.weight": torch.randn(37, 4)}
-    assert torch.equal(merge_slices(split_head_weight(state, 3, 3), 3, 3)["3.weight"], state["3.weight"])
+    head = torch.randn(37, 4)
+    slices = {f"{3 + k}.weight": head[slice(*vocab_bounds(37, k, 3))] for k in range(3)}
+    state = {"0.weight": torch.randn(5, 3), **slices}
+    merged = merge_slices(state, 3, 3)
+    assert merged.keys() == {"0.weight", "3.weight"} and torch.equal(merged["3.weight"], head)
     with pytest.raises(ValueError):
         vocab_bounds(10, 2, 2)
 
 
 def test_the_schedules_that_split_the_head():
-    from schedules.runtime.vocab_parallel import count_slices, splitting_schedules
+    from schedules.registry import splitting_schedules
+    from schedules.runtime.vocab_parallel import count_slices
     assert splitting_schedules(2) == splitting_schedules(4) == SPLITTING
     from schedules.runtime.vocab_parallel import VocabSlice
     with pytest.raises(ValueError, match="last layers"):

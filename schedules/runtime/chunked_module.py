@@ -133,10 +133,9 @@ def stock_dualpipev_module(layers, **kwargs):
     DualPipeVEngine."""
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-    from schedules.runtime.vocab_parallel import count_slices
+    from schedules.runtime.vocab_parallel import count_slices, refusal
     if count_slices(layers):  # its engine is DeepSpeed's, and its partition knows nothing of slices
-        raise ValueError("a split vocabulary head (VocabSlice layers) runs on our engines only: use zb-v, dualpipev, "
-                         "interleaved, v-half or v-min, not dualpipev-deepspeed")
+        raise ValueError(refusal("not dualpipev-deepspeed, which runs on DeepSpeed's own engine"))
 
     class StockDualPipeVModule(DualPipeVModule, LayerPipe):  # DualPipeV's partition first, then ours
         pass

@@ -15,7 +15,7 @@ The chunked module (chunked_module.py) builds on it; the models use it for their
 """
 from deepspeed.pipe import PipelineModule
 
-from schedules.runtime.vocab_parallel import count_slices
+from schedules.runtime.vocab_parallel import count_slices, is_vocab_slice, refusal
 
 
 def run_layers(layers, x, interval: int = 0, checkpoint_fn=None, checkpointable=()):
@@ -83,9 +83,8 @@ class LayerPipe(PipelineModule):
         stages, specs, weights = self.num_stages, self._layer_specs, self.partition_weights
         trunk = len(specs) - slices
         if stages - slices < 1:
-            raise ValueError(f"the vocabulary head's {slices} slices need a model stage each after the trunk's, "
-                             f"and this pipeline has {stages} model stages: use a schedule whose last chunk visits "
-                             f"every rank (interleaved, zb-v, dualpipev, v-half, v-min)")
+            raise ValueError(refusal(f"its {slices} slices need a model stage each after the trunk's, and this "
+                                     f"pipeline has {stages} model stages"))
         self._layer_specs, self.num_stages = specs[:trunk], stages - slices
         self.partition_weights = None if weights is None else list(weights)[:trunk]
         try:
@@ -114,7 +113,7 @@ class LayerPipe(PipelineModule):
     def _forward_carrying_labels(self, x):
         """The trunk's layers see the inputs without the labels, which go on with the outputs; the slices
         of the head see (and pass on) the whole state."""
-        if self.forward_funcs and count_slices(self.forward_funcs) == len(self.forward_funcs):
+        if self.forward_funcs and is_vocab_slice(self.forward_funcs[0]):  # a slice's stage holds it alone
             for layer in self.forward_funcs:
                 x = layer(x)
             return x

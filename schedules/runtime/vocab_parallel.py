@@ -23,7 +23,7 @@ see the labels.
 """
 import torch
 
-from schedules.registry import splits_vocabulary, splitting_schedules  # noqa: F401 (which schedules run it)
+from schedules.registry import splitting_schedules
 from schedules.runtime.weight_grad import Linear
 
 
@@ -115,6 +115,12 @@ def is_vocab_slice(layer):
     return isinstance(cls, type) and issubclass(cls, VocabSlice)
 
 
+def refusal(what):
+    """The one-line error for a split head where `what` cannot run it."""
+    return (f"a split vocabulary head needs a schedule whose last chunk visits every rank, one slice each "
+            f"({', '.join(splitting_schedules())}): {what}")
+
+
 def count_slices(layers):
     """How many trailing entries of a layer list are VocabSlices; raises if slices are not all at the end."""
     flags = [is_vocab_slice(layer) for layer in layers]
@@ -134,15 +140,3 @@ def merge_slices(state, first_index, parts):
     merged = {k: v for k, v in state.items() if k not in keys}
     merged[keys[0]] = torch.cat([state[k] for k in keys])
     return merged
-
-
-def split_head_weight(state, index, parts):
-    """The inverse of merge_slices: an unsplit head's `"{index}.weight"` as `parts` slices' weights."""
-    weight = state[f"{index}.weight"]
-    split = {k: v for k, v in state.items() if k != f"{index}.weight"}
-    for k in range(parts):
-        start, stop = vocab_bounds(weight.shape[0], k, parts)
-        split[f"{index + k}.weight"] = weight[start:stop].clone()
-    return split
-
-
