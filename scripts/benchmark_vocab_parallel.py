@@ -136,18 +136,13 @@ def trace_figures(path):
     from schedules.observe.trace import (
         load_chrome_trace,
         load_p2p_events,
-        measured_dispatch,
-        measured_p2p_cpu,
+        measured_overheads,
         one_iteration,
         peak_saved_bytes,
         predict,
-        stream_messages,
     )
     timeline, _ = load_chrome_trace(path)
-    events = load_p2p_events(path)
-    meta = timeline.meta
-    messages = stream_messages(meta["schedule"], meta["stages"], meta["micro_batches"])
-    p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
+    p2p_cpu, dispatch = measured_overheads(timeline, load_p2p_events(path))
     spans, busy, predicted = [], [], []
     for i in timeline.iterations():
         step = one_iteration(timeline, i)

@@ -16,13 +16,10 @@ def main(argv=None):
     from schedules.observe.trace import (
         load_chrome_trace,
         load_p2p_events,
-        measured_dispatch,
-        measured_p2p_cpu,
+        measured_overheads,
         one_iteration,
         predict,
-        stream_messages,
     )
-    from schedules.registry import available_schedules
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
@@ -34,12 +31,7 @@ def main(argv=None):
     timeline, p2p = load_chrome_trace(args.trace)
     iteration = timeline.iterations()[-1] if args.iteration is None else args.iteration
     measured = one_iteration(timeline, iteration)
-    events = load_p2p_events(args.trace)
-    meta = timeline.meta
-    messages = None  # who sends to whom, from the traced schedule's own streams (pairs receives with sends)
-    if meta.get("schedule") in available_schedules() and "stages" in meta and "micro_batches" in meta:
-        messages = stream_messages(meta["schedule"], meta["stages"], meta["micro_batches"])
-    p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
+    p2p_cpu, dispatch = measured_overheads(timeline, load_p2p_events(args.trace))
     predicted = predict(measured, args.latency_us * 1e-6, p2p_cpu, dispatch)
     _, span = measured.span()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

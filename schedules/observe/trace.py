@@ -24,6 +24,7 @@ import time
 
 from schedules.instructions import P2P, PASS_KIND, ForwardBackwardPass, paired_kinds
 from schedules.placement import DualPipeVPlacement, StockPlacement
+from schedules.registry import available_schedules
 from schedules.simulator.simulate import simulate
 from schedules.simulator.timeline import Pass, Timeline
 
@@ -380,6 +381,16 @@ def measured_latency(p2p_by_rank, messages=None, recv_cpu=0.0):
     with no such receive. Beside a ping-pong's latency, measured with every other rank idle."""
     waited = [r[2] - s[2] for s, r in paired_messages(p2p_by_rank, messages) if r[1] < s[2]]
     return max(0.0, _median(waited) - recv_cpu) if waited else None
+
+
+def measured_overheads(timeline, p2p_by_rank):
+    """(a send's and a receive's own time, {rank: dispatch per pass}) a traced run measured: what `predict`
+    takes besides the pass costs. Receives are paired with their sends by the traced schedule's own streams
+    where the trace names a registered schedule (its meta), else by position."""
+    meta, messages = timeline.meta, None
+    if meta.get('schedule') in available_schedules() and 'stages' in meta and 'micro_batches' in meta:
+        messages = stream_messages(meta['schedule'], meta['stages'], meta['micro_batches'])
+    return measured_p2p_cpu(p2p_by_rank, messages), measured_dispatch(timeline, p2p_by_rank)
 
 
 def measured_dispatch(timeline, p2p_by_rank):

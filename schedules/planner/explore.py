@@ -39,11 +39,9 @@ from schedules.observe.trace import (
     Tracer,
     load_chrome_trace,
     load_p2p_events,
-    measured_dispatch,
-    measured_p2p_cpu,
+    measured_overheads,
     one_iteration,
     predict,
-    stream_messages,
     write_chrome_trace,
 )
 from schedules.planner.choose import MiB, choose, table, to_json
@@ -390,8 +388,7 @@ def traced(req):
     meta = timeline.meta
     if meta.get('schedule') not in available_schedules() or 'stages' not in meta or 'micro_batches' not in meta:
         raise BadRequest(f"the trace's schedule {meta.get('schedule')!r} is not a registered one: nothing to predict")
-    messages = stream_messages(meta['schedule'], meta['stages'], meta['micro_batches'])
-    p2p_cpu, dispatch = measured_p2p_cpu(events, messages), measured_dispatch(timeline, events)
+    p2p_cpu, dispatch = measured_overheads(timeline, events)
     latency = _number(req, 'latency', 0.0, 0.0)
     predicted = predict(measured, latency, p2p_cpu, dispatch)
     place = available_schedules()[meta['schedule']].placement(meta['stages'])
