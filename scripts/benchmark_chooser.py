@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
 LOCK = "/tmp/bench.lock"
 MODELS = {  # the models of docs/benchmarks.md, sized as there
     "deep": {"flags": ["--model", "deep", "--deep-width", "1024", "--deep-depth", "16"], "micro_batch_size": 32,
@@ -36,7 +37,7 @@ MODELS = {  # the models of docs/benchmarks.md, sized as there
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--models", nargs="+", default=["deep", "gptlite"], choices=list(MODELS))
     p.add_argument("--deep-micro-batches", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--gptlite-micro-batches", type=int, nargs="+", default=[4, 8])
@@ -45,9 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--budgets-only", action="store_true",
                    help="profile and check the budgets only (no side-by-side, no demo); --docs merges the rows")
     p.add_argument("--demo-steps", type=int, default=100, help="steps of the demo run (0: skip it)")
-    p.add_argument("--out", default="runs/chooser")
-    p.add_argument("--docs", action="store_true", help="publish docs/bench/chooser.json and docs/benchmarks.md")
-    p.add_argument("--timeout", type=int, default=1500)
+    common.add(p, "out", "docs", "timeout", out="runs/chooser", docs="chooser", timeout=1500)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models, one round: the plumbing
     args = p.parse_args(argv)
     if args.smoke:
@@ -105,9 +104,7 @@ def config_file(folder, mbs, m):
     """The benchmark engines' config (torch's fused AdamW), for the profile to time the same optimizer."""
     path = os.path.join(folder, f"ds-{mbs}-{m}.json")
     with open(path, "w") as f:
-        json.dump({"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": m,
-                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
-                   "steps_per_print": 10**9}, f)
+        json.dump(common.engine_config(mbs, m), f)
     return path
 
 
@@ -289,13 +286,10 @@ def main(argv=None):
         print(f"demo: profiling and choosing {report['demo']['plan_s']:.1f} s of {report['demo']['wall_s']:.0f} s "
               f"({report['demo']['added']:.1%} added)", flush=True)
     report["took_s"] = time.time() - started
-    with open(os.path.join(args.out, "chooser.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    if args.docs:
-        import benchmark_docs
-        if args.budgets_only:
-            report = merge_budgets(report, os.path.join(benchmark_docs.BENCH_DIR, "chooser.json"))
-        benchmark_docs.publish(report, "chooser")
+    merged = None  # --budgets-only --docs: the published record keeps the rest
+    if args.docs and args.budgets_only:
+        merged = merge_budgets(report, os.path.join(common.BENCH_DIR, "chooser.json"))
+    common.save(args, "chooser", report, published=merged)
 
 
 if __name__ == "__main__":

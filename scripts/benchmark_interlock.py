@@ -43,12 +43,13 @@ the speculating runs where clipping bites (the steps they replayed run twice: si
 the interlocked run predicted from each traced pass's own duration instead of the mean of its kind
 (trace.replayed_costs), over the measured window.
 """
-import argparse
-import json
 import os
 import statistics
-import tempfile
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb-v"]
 # clipping on, per post-validation policy: at the median norm ("clipped-", about half the steps clip), and far
@@ -65,18 +66,14 @@ def policy_key(mode):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--schedules", nargs="+", default=SCHEDULES)
-    p.add_argument("--deep-width", type=int, default=1024)
-    p.add_argument("--deep-depth", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    p = common.parser(__doc__)
+    common.add(p, "stages", "micro-batches", "schedules", "deep-width", "deep-depth", "micro-batch-size",
+               schedules=SCHEDULES)
     p.add_argument("--pass-ms", type=float, nargs=3, default=None, metavar=("F", "B", "W"),
                    help="blocks whose forward, input gradient and weight gradient take these ms "
                         "(deep_model.TimedBlock)")
     p.add_argument("--iterations", type=int, default=6, help="steps per interlocked call (K)")
-    p.add_argument("--rounds", type=int, default=3)
+    common.add(p, "rounds", rounds=3)
     p.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="ZeRO stage: at 1 the step is DeepSpeed's ZeRO-1 optimizer's, whose norm is validated even "
                         "with clipping off (it skips a non-finite step)")
@@ -86,11 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--clipping-off", action="store_true",
                    help="only the synchronised and interlocked runs (clipping off): many rounds cheaply, for a "
                         "speed-up paired round by round (docs/bench/interlock[-timed-pP]-clipping-off.json)")
-    p.add_argument("--out", default="runs/interlock")
-    p.add_argument("--docs", action="store_true", help="also publish docs/bench/interlock.json and docs/benchmarks.md")
-    p.add_argument("--timeout", type=int, default=1200)
-    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return common.add(p, "out", "docs", "timeout", "worker-out", out="runs/interlock",
+                      docs="interlock[-timed-pP][-zero1][-bf16][-clipping-off]").parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,9 +97,8 @@ def build_engine(name, args, m):
     model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, pipeline_num_stages=args.stages,
                                  pipeline_spec_layers=True, pipe_module=schedules.pipe_module(name, None),
                                  pass_seconds=seconds)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
-           "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9}
+    cfg = common.engine_config(args.micro_batch_size, m, gradient_clipping=0.0,
+                               zero_optimization={"stage": args.zero})
     if args.bf16:  # DeepSpeed accumulates bf16 weights' gradients in fp32 at ZeRO 1 only
         cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32" if args.zero else "bf16"})
     engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
@@ -114,20 +107,16 @@ def build_engine(name, args, m):
 
 
 def worker(args):
-    from datetime import timedelta
-
-    import deepspeed
     import torch
     import torch.distributed as dist
-    from benchmark_schedules import ping_pong_latency
 
     from deep_model import synthetic_micro_batch
     from schedules.observe.trace import Tracer, engine_placement
     from schedules.runtime.interlock import train_batches
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300))
+    rank, _, _ = common.init_rank()
     torch.set_num_threads(1)
-    rank, m, k = dist.get_rank(), args.micro_batches[0], args.iterations
+    m, k = args.micro_batches[0], args.iterations
     batches = [synthetic_micro_batch(i, args.micro_batch_size, args.deep_width, 0) for i in range(m * k)]
     if args.bf16:
         batches = [(x.bfloat16(), y.bfloat16()) for x, y in batches]
@@ -135,7 +124,7 @@ def worker(args):
     for engine in engines.values():
         engine.tracer = Tracer(engine.stage_id, engine_placement(engine))
     message = args.micro_batch_size * args.deep_width * (2 if args.bf16 else 4)  # an activation's bytes
-    latency = ping_pong_latency(rank, message, torch.device("cpu"), lambda: None)
+    latency = common.ping_pong_latency(rank, message)
     modes = {name: ["sync", "interlocked"] + (CLIPPED if hasattr(engines[name], "post_validates")
                                               and not args.clipping_off else [])
              for name in args.schedules}
@@ -146,8 +135,7 @@ def worker(args):
     for engine in engines.values():
         engine.tracer.origin = origin
     for r in range(args.rounds + 1):  # round 0 warms up (and measures the norms the clipping threshold sits in)
-        order = args.schedules[r % len(args.schedules):] + args.schedules[:r % len(args.schedules)]
-        for name in order:
+        for name in common.rotated(args.schedules, r):
             engine = engines[name]
             # synchronised first in even rounds, interlocked first in odd ones: a drift of the passes' speed
             # within a round favours neither (the clipped runs follow, after the threshold is measured)
@@ -189,11 +177,7 @@ def worker(args):
                 if mode == "interlocked" and hasattr(engine, "post_validates"):
                     # every round: training moves the norms, and a threshold from the first round soon clips nothing
                     thresholds[name] = _median_norm(engine, batches, m, k)
-    result = {"rank": rank, "latency_s": latency, "runs": runs, "thresholds": thresholds}
-    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish_rank(args, rank, {"rank": rank, "latency_s": latency, "runs": runs, "thresholds": thresholds})
 
 
 def set_clipping(engine, threshold):
@@ -220,21 +204,7 @@ def _median_norm(engine, batches, m, k):
 # Parent: launch, analyse against the simulator
 # --------------------------------------------------------------------------------------------
 def launch_worker(args, m):
-    from local_launch import launch
-    out = tempfile.mkdtemp(prefix="interlock-")
-    flags = ["--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules", *args.schedules,
-             "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
-             args.micro_batch_size, "--iterations", args.iterations, "--rounds", args.rounds, "--zero", args.zero]
-    if args.pass_ms:
-        flags += ["--pass-ms", *args.pass_ms]
-    if args.clipping_off:
-        flags.append("--clipping-off")
-    if args.bf16:
-        flags.append("--bf16")
-    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_interlock.py")
-    if not run.ok:
-        raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+    return common.launch_ranks("benchmark_interlock.py", args.stages, args, micro_batches=[m])
 
 
 def _timeline(ranks, name, mode, i, m, args):
@@ -573,7 +543,6 @@ def main(argv=None):
     if args.worker_out:
         return worker(args)
     from schedules.observe.memory import machine_line
-    os.makedirs(args.out, exist_ok=True)
     started = time.time()
     report = {"machine": machine_line(), "args": vars(args), "sync_measure": "mean", "interlock": {}}
     lines = [machine_line()]
@@ -583,13 +552,7 @@ def main(argv=None):
         lines += table(res, m)
     lines.append(f"took {time.time() - started:.0f} s")
     print("\n".join(lines))
-    with open(os.path.join(args.out, "interlock.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "interlock.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(report, published_name(args))
+    common.save(args, "interlock", report, lines, publish=published_name(args))
 
 
 if __name__ == "__main__":

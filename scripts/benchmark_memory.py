@@ -38,38 +38,42 @@ measured at 8 stages, LayerSpec build, 10.7 MiB retained vs 83-91 MiB peak on a 
 """
 import argparse
 import json
+import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from schedules.observe.memory import MiB, machine_info, machine_line
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
+ROOT = Path(common.ROOT)
 
 BUILDS = {False: "list", True: "LayerSpec"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-size", default="medium", help="gptlite.MODEL_SIZES key (default medium)")
-    p.add_argument("--n-layer", type=int, default=8, help="transformer blocks (>= largest --stages)")
-    p.add_argument("--block-size", type=int, default=128, help="context length (medium's 256 halved for speed)")
-    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4, 8], help="pipeline stage counts")
+    p = common.parser(__doc__)
+    common.add(p, "model-size", "n-layer", "block-size", "stages", model_size=dict(
+        default="medium", help="gptlite.MODEL_SIZES key (default medium)"),
+        n_layer=dict(default=8, help="transformer blocks (>= largest --stages)"),
+        block_size=dict(default=128, help="context length (medium's 256 halved for speed)"),
+        stages=dict(nargs="+", default=[1, 2, 4, 8], help="pipeline stage counts"))
     p.add_argument("--builds", nargs="+", choices=["list", "spec"], default=["list", "spec"])
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches in the measured step")
-    p.add_argument("--micro-batch-size", type=int, default=2)
+    common.add(p, "micro-batches", "micro-batch-size", micro_batch_size=2,
+               micro_batches=dict(nargs=None, default=8, help="micro-batches in the measured step"))
     p.add_argument("--partition-method", default="type:Block", help="same for both builds")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw", help="AdamW is torch's (torch_adam)")
-    p.add_argument("--out", default=str(ROOT / "runs" / "memory"), help="directory for memory.json and memory.png")
-    p.add_argument("--docs", action="store_true", help="also publish: docs/bench/memory.json and docs/benchmarks.md")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per launch before its ranks are killed")
+    common.add(p, "out", "docs", "timeout", out=dict(default=str(ROOT / "runs" / "memory"),
+                                                     help="directory for memory.json and memory.png"),
+               docs="memory",
+               timeout=dict(type=float, default=600))
     # worker mode (one rank; started by the parent through local_launch)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--num-stages", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return common.add(p, "worker-out").parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,17 +100,13 @@ def ds_config(args) -> dict:
 
 
 def worker(args):
-    from datetime import timedelta
-
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     import gptlite
     from schedules.observe import memory
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    rank, _, _ = common.init_rank(timeout=args.timeout)
     torch.manual_seed(0)
     peaks = []  # RSS high-water marks of the phases between resets; the lifetime peak is their max
 
@@ -157,10 +157,7 @@ def worker(args):
                   total_saved=tracker.total_bytes, after_step_rss=after_step_rss, peak_rss=max(peaks),
                   step_peak_rss=peaks[-1] if can_reset else None, step_s=step_s,
                   loss=float(loss) if engine.is_last_stage() else None)
-    with open(Path(args.result_dir) / f"rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
+    common.finish_rank(args, rank, result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +274,6 @@ def plot(doc, path):
 
 
 def parent(args):
-    from local_launch import launch
     if max(args.stages) > args.n_layer:
         sys.exit(f"error: --n-layer {args.n_layer} must be >= the largest --stages {max(args.stages)}")
     out = Path(args.out)
@@ -286,34 +282,21 @@ def parent(args):
     results = []
     for stages in args.stages:
         for spec in [b == "spec" for b in args.builds]:
-            with tempfile.TemporaryDirectory() as tmp:
-                worker_args = ["--worker", "--num-stages", stages, "--result-dir", tmp,
-                               "--model-size", args.model_size,
-                               "--n-layer", args.n_layer, "--block-size", args.block_size,
-                               "--micro-batches", args.micro_batches, "--micro-batch-size", args.micro_batch_size,
-                               "--partition-method", args.partition_method, "--optimizer", args.optimizer,
-                               "--timeout", args.timeout] + (["--spec"] if spec else [])
-                t0 = time.perf_counter()
-                run = launch(stages, worker_args, timeout=args.timeout, script="scripts/benchmark_memory.py")
-                if not run.ok:
-                    sys.exit(f"error: {stages} stages, {BUILDS[spec]} build failed:\n{run.explain()}")
-                results += [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(stages)]
-                print(f"{stages} stage(s), {BUILDS[spec]} build: {time.perf_counter() - t0:.0f} s", flush=True)
+            t0 = time.perf_counter()
+            results += common.launch_ranks("benchmark_memory.py", stages, args, worker=True, num_stages=stages,
+                                           spec=spec, what=f"error: {stages} stages, {BUILDS[spec]} build")
+            print(f"{stages} stage(s), {BUILDS[spec]} build: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summarize(results)
     doc = {"machine": machine_info(), "config": {k: getattr(args, k) for k in (
         "model_size", "n_layer", "block_size", "stages", "micro_batches", "micro_batch_size", "partition_method",
         "optimizer")}, "results": results, "summary": summary, "savings": savings(summary),
            "runtime_s": time.perf_counter() - start}
-    (out / "memory.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / "memory.png")
     text = report(doc)
-    (out / "memory.txt").write_text(text + "\n")
     print()
     print(text)
+    common.save(args, "memory", doc, [text])
     print(f"\nwrote {out / 'memory.json'}, {out / 'memory.png'}, {out / 'memory.txt'}")
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(doc, "memory")
 
 
 def main(argv=None):

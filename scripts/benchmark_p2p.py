@@ -9,24 +9,22 @@ with a plain `recv` there ("late") or by waiting on an `irecv` it posted before 
 cost of the message to the schedule. The two ways alternate round by round, so drift on this
 noisy machine hits both alike. Writes JSON; states the machine.
 """
-import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
 MODES = ("late", "ahead")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=40, help="messages per way")
+    p = common.add(common.parser(__doc__), "rounds", rounds=dict(default=40, help="messages per way"))
     p.add_argument("--kib", type=int, default=128, help="message size (the deep model's activation: 128 KiB)")
     p.add_argument("--compute-ms", type=float, default=10.0, help="compute on each rank around the message")
-    p.add_argument("--out", default="runs/p2p")
-    p.add_argument("--docs", action="store_true",
-                   help="also publish: docs/bench/p2p.json (p2p-512kib.json with --kib 512) and docs/benchmarks.md")
+    common.add(p, "out", "docs", out="runs/p2p", docs="p2p[-KIBkib]")
     p.add_argument("--port", type=int, default=29561)
     return p.parse_args(argv)
 
@@ -92,13 +90,8 @@ def main(argv=None):
     if result["wrong_messages"]:
         lines.append(f"ERROR: {result['wrong_messages']} messages arrived with the wrong data")
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
     record = {"machine": machine_line(), "args": vars(args), **result}
-    with open(os.path.join(args.out, "p2p.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(record, "p2p" if args.kib == 128 else f"p2p-{args.kib}kib")
+    common.save(args, "p2p", record, publish="p2p" if args.kib == 128 else f"p2p-{args.kib}kib")
     return 1 if result["wrong_messages"] else 0
 
 

@@ -35,14 +35,15 @@ device's.
 Writes JSON and text under --out; `--docs` publishes docs/bench/peers.json (and peers-gptlite.json)
 and re-renders docs/benchmarks.md.
 """
-import argparse
 import copy
-import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 # (ours, PyTorch's) per schedule both offer; PyTorch-only and ours-only rows are listed once
 PAIRS = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble",
@@ -57,30 +58,17 @@ NESTED = ("ValidateStep", "Rollback")  # the post-validated step's records (sche
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    p = common.parser(__doc__)
+    common.add(p, "stages", "micro-batches")
     p.add_argument("--clip", choices=["off", "on", "both"], default="both",
                    help="gradient clipping at 1.0 (global norm over all stages) on both sides")
-    p.add_argument("--schedules", nargs="+", default=None,
-                   help=f"default: {' '.join([*PAIRS, *TORCH_ONLY, *OURS_ONLY])}")
-    p.add_argument("--model", choices=["deep", "gptlite"], default="deep")
-    p.add_argument("--model-size", default="small", help="GPTlite size")
-    p.add_argument("--deep-width", type=int, default=1024)
-    p.add_argument("--deep-depth", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="rows per micro-batch (default: 32 on the deep model, 4 on GPTlite, whose logits over the "
-                        "50257-token vocabulary take 51 MB per 4 x 64 tokens)")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps-per-round", type=int, default=3)
-    p.add_argument("--out", default="runs/peers")
-    p.add_argument("--docs", action="store_true",
-                   help="publish docs/bench/peers[-gptlite].json and docs/benchmarks.md")
-    p.add_argument("--timeout", type=int, default=1200)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--partition-weights", type=float, nargs="+", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return common.add(p, "schedules", "model", "model-size", "deep-width", "deep-depth", "micro-batch-size", "rounds",
+                      "steps-per-round", "out", "docs", "timeout", "device", "partition-weights", "worker-out",
+                      out="runs/peers", schedules=dict(help=f"default: {' '.join([*PAIRS, *TORCH_ONLY, *OURS_ONLY])}"),
+                      micro_batch_size=dict(default=None, help="rows per micro-batch (default: 32 on the deep model, "
+                                            "4 on GPTlite, whose logits over the 50257-token vocabulary take 51 MB "
+                                            "per 4 x 64 tokens)"),
+                      docs="peers[-gptlite]").parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,9 +152,7 @@ def build_ours(name, args, m, clip):
         model = gptlite.get_model(model_size=args.model_size, partition_weights=args.partition_weights, **pipe)
     else:
         model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, **pipe)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
-           "gradient_clipping": 1.0 if clip else 0.0, "steps_per_print": 10**9}
+    cfg = common.engine_config(args.micro_batch_size, m, gradient_clipping=1.0 if clip else 0.0)
     engine, *_ = schedules.initialize(name, model=model, model_parameters=list(model.parameters()), config=cfg,
                                       trace=True)
     engine.tracer = StepClock()
@@ -236,18 +222,12 @@ class TorchPipeline:
 
 
 def worker(args):
-    from datetime import timedelta
-
-    import deepspeed
     import torch
     import torch.distributed as dist
-    from benchmark_schedules import rank_device, synthetic_batches  # beside this script
+    from benchmark_schedules import synthetic_batches  # beside this script
     m, clip = args.micro_batches[0], args.clip == "on"
     torch.set_num_threads(1)
-    device, sync = rank_device(args.device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               timeout=timedelta(seconds=300))
-    rank = dist.get_rank()
+    rank, device, sync = common.init_rank(args.device)
     batches = synthetic_batches(args, m, device)
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     ours_names = [n for n in args.schedules if n in PAIRS or n in OURS_ONLY]
@@ -273,7 +253,7 @@ def worker(args):
     steps = {f"{side}:{n}": [] for group in groups for side, n in group}
     first_loss = {}
     for r in range(args.rounds + 1):  # round 0 warms up (shapes, buffers, allocator)
-        order = [run for group in groups[r % len(groups):] + groups[:r % len(groups)] for run in group]
+        order = [run for group in common.rotated(groups, r) for run in group]
         for _ in range(args.steps_per_round):
             for side, n in order:
                 key = f"{side}:{n}"
@@ -299,30 +279,16 @@ def worker(args):
                 first_loss.setdefault(key, loss)
                 if r > 0:
                     steps[key].append(row)
-    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "steps": steps, "first_loss": first_loss}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish_rank(args, rank, {"rank": rank, "steps": steps, "first_loss": first_loss})
 
 
 # --------------------------------------------------------------------------------------------
 # Parent: launch, collect, compare
 # --------------------------------------------------------------------------------------------
 def launch_worker(args, m, clip):
-    from local_launch import launch
-    out = tempfile.mkdtemp(prefix="peers-")
-    flags = ["--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--clip", clip,
-             "--schedules", *args.schedules, "--deep-width", args.deep_width, "--deep-depth", args.deep_depth,
-             "--micro-batch-size", args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round",
-             args.steps_per_round, "--model", args.model, "--model-size", args.model_size, "--device", args.device]
-    if args.partition_weights:
-        flags += ["--partition-weights", *args.partition_weights]
     # DeepSpeed picks CUDA wherever it is installed: name the accelerator (--device cpu means it on a GPU machine)
-    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_peers.py",
-                 env={"DS_ACCELERATOR": args.device})
-    if not run.ok:
-        raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+    return common.launch_ranks("benchmark_peers.py", args.stages, args, env={"DS_ACCELERATOR": args.device},
+                               micro_batches=[m], clip=clip)
 
 
 def critical_schedule_extent(ranks_step):
@@ -408,17 +374,7 @@ def main(argv=None):
         return worker(args)
     import benchmark_schedules  # beside this script: the measured per-layer costs that balance GPTlite
 
-    from schedules.observe.memory import machine_line
-    machine = machine_line()
-    if args.device == "cuda":
-        import torch
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus < args.stages:
-            raise SystemExit(f"benchmark_peers: --device cuda needs one GPU per rank (--stages {args.stages}); "
-                             f"this machine has {gpus}: run it on a machine with {args.stages} GPUs or pass "
-                             "--device cpu")
-        machine += f", {gpus} x {torch.cuda.get_device_name(0)}, nccl"
-    os.makedirs(args.out, exist_ok=True)
+    machine = common.machine("benchmark_peers", args)
     started = time.time()
     # other work on the machine slows both sides alike, but widens the spread: say how busy it was
     report = {"machine": machine, "args": vars(args), "runs": {}, "load_average": [os.getloadavg()[0]]}
@@ -437,14 +393,7 @@ def main(argv=None):
     lines.append(f"took {time.time() - started:.0f} s; load average {report['load_average'][0]:.1f} at the start, "
                  f"{report['load_average'][1]:.1f} at the end")
     print(lines[-1])
-    name = "peers" if args.model == "deep" else "peers-gptlite"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, f"{name}.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(report, name)
+    common.save(args, "peers" if args.model == "deep" else "peers-gptlite", report, lines)
 
 
 if __name__ == "__main__":

@@ -22,38 +22,29 @@ pass ends when its kernels do), and the memory figures add torch.cuda.max_memory
 step above what is resident (throughput), and per rank for the whole step (memory).
 """
 import argparse
-import json
 import os
 import statistics
-import tempfile
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--what", choices=["throughput", "memory", "both"], default="throughput")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--schedules", nargs="+", default=None,
-                   help="default: every trainable schedule; NAME:V@CUT for v chunks per rank and a partition method")
-    p.add_argument("--model", choices=["deep", "gptlite"], default="deep",
-                   help="gptlite: its stages balanced by measured per-layer cost")
-    p.add_argument("--model-size", default="small", help="GPTlite size")
-    p.add_argument("--partition-weights", type=float, nargs="+", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--deep-width", type=int, default=1024)
-    p.add_argument("--deep-depth", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps-per-round", type=int, default=3)
-    p.add_argument("--out", default="runs/schedules")
-    p.add_argument("--docs", action="store_true",
-                   help="also publish the results: docs/bench/{deep,gptlite}.json and docs/benchmarks.md")
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: one GPU per rank, nccl, passes timed after a device synchronize, CUDA peak memory")
+    common.add(p, "stages", "micro-batches", "schedules", "model", "model-size", "partition-weights", "deep-width",
+               "deep-depth", "micro-batch-size", "rounds", "steps-per-round", "out", "docs", "timeout", "device",
+               out="runs/schedules", timeout=900,
+               schedules=dict(help="default: every trainable schedule; NAME:V@CUT for v chunks per rank and a "
+                                   "partition method"),
+               model=dict(help="gptlite: its stages balanced by measured per-layer cost"),
+               docs="{deep,gptlite}",
+               device=dict(help="cuda: one GPU per rank, nccl, passes timed after a device synchronize, CUDA peak "
+                                "memory"))
     p.add_argument("--worker", choices=["throughput", "memory"], default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return common.add(p, "worker-out").parse_args(argv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,12 +80,8 @@ def build_engine(key, args, m):
         weights = args.partition_weights if cut == "profile" else None
         model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, partition_weights=weights,
                                      partition_method=cut if cut not in (None, "profile") else "uniform", **pipe)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": m,
-           # torch's fused AdamW: ~4x faster on CPU than its default, so less of each step is not the schedule
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
-           "steps_per_print": 10**9}
     engine, *_ = schedules.initialize(name, virtual_stages=v, model=model, model_parameters=list(model.parameters()),
-                                      config=cfg, trace=True)
+                                      config=common.engine_config(args.micro_batch_size, m), trace=True)
     return engine
 
 
@@ -132,35 +119,6 @@ def gptlite_layer_costs(args, repeats=5):
     return costs
 
 
-def ping_pong_latency(rank, nbytes, device, sync, repeats=50):
-    """One-way time of a point-to-point message of `nbytes` between ranks 0 and 1 (half a round trip)."""
-    import torch
-    import torch.distributed as dist
-    x = torch.zeros(nbytes // 4, device=device)
-    dist.barrier()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
-        elif rank == 1:
-            dist.recv(x, 0)
-            dist.send(x, 0)
-    sync()
-    return (time.perf_counter() - t0) / repeats / 2
-
-
-def rank_device(kind):
-    """(torch.device, synchronize) of this rank: the CPU, or the GPU of its local rank (one GPU per rank: NCCL
-    refuses two ranks on one device)."""
-    import torch
-    if kind != "cuda":
-        return torch.device("cpu"), lambda: None
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
-
-
 def synthetic_batches(args, m, device=None):
     """m micro-batches of the benchmarked model, the same on every rank and run (the schedules, not the data, are
     measured): GPTlite's random tokens, or the deep model's synthetic_micro_batch; moved to `device` if given."""
@@ -178,9 +136,6 @@ def synthetic_batches(args, m, device=None):
 
 
 def worker(args):
-    from datetime import timedelta
-
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -188,9 +143,8 @@ def worker(args):
     from schedules.observe.trace import Tracer, engine_placement
 
     cuda = args.device == "cuda"
-    device, sync = rank_device(args.device)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
-    rank, m = dist.get_rank(), args.micro_batches[0]
+    rank, device, sync = common.init_rank(args.device)
+    m = args.micro_batches[0]
     batches = synthetic_batches(args, m)  # on the CPU: the engine moves them
     result = {"rank": rank, "schedules": {}}
     names = args.schedules
@@ -218,7 +172,7 @@ def worker(args):
     else:
         activation = args.micro_batch_size * args.deep_width if args.model == "deep" else \
             batches[0][0].numel() * model_width(args)  # elements of what one stage sends
-        result["latency_s"] = ping_pong_latency(rank, activation * 4, device, sync)
+        result["latency_s"] = common.ping_pong_latency(rank, activation * 4, device, sync)
         steps = {name: [] for name in names}
         cuda_peak = {name: 0 for name in names}  # device bytes a step adds above what is resident
         dist.barrier()
@@ -226,8 +180,7 @@ def worker(args):
         for name in names:
             engines[name].tracer.origin = origin
         for r in range(args.rounds + 1):  # round 0 warms up
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
+            for name in common.rotated(names, r):
                 engine = engines[name]
                 for s in range(args.steps_per_round):
                     traced = r > 0 and s == args.steps_per_round - 1
@@ -253,28 +206,16 @@ def worker(args):
                                          "p2p": t.p2p}
             if cuda:
                 result["schedules"][name]["step_cuda_bytes"] = cuda_peak[name]
-    with open(os.path.join(args.worker_out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()  # join gloo's threads now, not in the interpreter's teardown
+    common.finish_rank(args, rank, result)
 
 
 # --------------------------------------------------------------------------------------------
 # Parent: launch, collect, compare with the simulator
 # --------------------------------------------------------------------------------------------
 def launch_worker(args, what, m, names):
-    from local_launch import launch
-    out = tempfile.mkdtemp(prefix="bench-")
-    flags = ["--worker", what, "--worker-out", out, "--stages", args.stages, "--micro-batches", m, "--schedules",
-             *names, "--deep-width", args.deep_width, "--deep-depth", args.deep_depth, "--micro-batch-size",
-             args.micro_batch_size, "--rounds", args.rounds, "--steps-per-round", args.steps_per_round,
-             "--model", args.model, "--model-size", args.model_size, "--device", args.device]
-    if args.partition_weights:
-        flags += ["--partition-weights", *args.partition_weights]
-    run = launch(args.stages, flags, timeout=args.timeout, script="scripts/benchmark_schedules.py")
-    if not run.ok:
-        raise SystemExit(f"benchmark ranks failed:\n{run.explain()}")
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.stages)]
+    """Every rank's record of one launch measuring `what` on m micro-batches for the schedules `names`."""
+    return common.launch_ranks("benchmark_schedules.py", args.stages, args, worker=what, micro_batches=[m],
+                               schedules=names)
 
 
 def analyse_throughput(ranks, args, m):
@@ -424,16 +365,9 @@ def main(argv=None):
     if args.worker:
         args.micro_batches = args.micro_batches[:1]
         return worker(args)
-    from schedules.observe.memory import machine_line
     from schedules.registry import available_schedules
-    machine = machine_line()
-    if args.device == "cuda":
-        import torch
-        if torch.cuda.device_count() < args.stages:
-            raise SystemExit(f"benchmark_schedules: --device cuda needs one GPU per rank (--stages {args.stages}); "
-                             f"this machine has {torch.cuda.device_count()}")
-        machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, nccl"
-    os.makedirs(args.out, exist_ok=True)
+    machine = common.machine("benchmark_schedules", args)
+    os.makedirs(args.out, exist_ok=True)  # the plots of each launch
     started = time.time()
     report, lines = {"machine": machine, "args": vars(args)}, [machine]
     if args.model == "gptlite" and not args.partition_weights:
@@ -462,15 +396,9 @@ def main(argv=None):
             lines += table_memory(rows, m)
     lines.append(f"took {time.time() - started:.0f} s")
     print("\n".join(lines))
-    with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, f"{args.what}.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
     if "throughput" in report:
         plot(report["throughput"], os.path.join(args.out, "throughput.png"))
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(report, args.model)
+    common.save(args, args.what, report, lines, publish=args.model)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ Reports F : B : W (F = 1), BW / F and the split's overhead (B + W) / BW - 1 as m
 interquartile ranges over rounds, and the FLOPs that FlopCounterMode counts for B, W and BW.
 Writes split.json (raw times) and split.txt (the tables) to --out.
 """
-import argparse
 import gc
-import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -28,29 +27,30 @@ import gptlite
 from schedules.observe.memory import machine_info, machine_line
 from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 PHASES = ("F", "BW", "B", "W")
 WORKLOADS = ("gpt-middle", "gpt-last", "deep")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--model-size", default="small", help="gptlite.MODEL_SIZES key (default small)")
-    p.add_argument("--stages", type=int, default=2, help="GPTlite stages: a stage holds n_layer // stages blocks")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="both models (ds_config.json's value)")
-    p.add_argument("--block-size", type=int, default=64, help="GPTlite context length")
-    p.add_argument("--deep-width", type=int, default=1024)
+    common.add(p, "model-size", "stages", "micro-batch-size", "block-size", "deep-width",
+               model_size=dict(help="gptlite.MODEL_SIZES key (default small)"),
+               stages=dict(help="GPTlite stages: a stage holds n_layer // stages blocks"),
+               micro_batch_size=dict(default=8, help="both models (ds_config.json's value)"),
+               block_size=dict(default=64, help="GPTlite context length"))
     p.add_argument("--deep-blocks", type=int, default=4, help="DeepBlocks in the stage")
-    p.add_argument("--rounds", type=int, default=30, help="at least this many measured rounds (each F, BW, B, W once)")
+    common.add(p, "rounds", rounds=dict(default=30, help="at least this many measured rounds (each F, BW, B, W once)"))
     p.add_argument("--seconds", type=float, default=10,
                    help="and measure each workload for at least this long (more rounds for the fast ones)")
-    p.add_argument("--warmup", type=int, default=3, help="rounds run first and discarded")
+    common.add(p, "warmup")
     p.add_argument("--threads", type=int, default=1, help="torch threads (pipeline ranks here run 1)")
-    p.add_argument("--out", default=str(ROOT / "runs" / "split"), help="directory for split.json and split.txt")
-    p.add_argument("--docs", action="store_true", help="also publish: docs/bench/split.json and docs/benchmarks.md")
-    return p.parse_args(argv)
+    return common.add(p, "out", "docs", out=dict(default=os.path.join(common.ROOT, "runs", "split"),
+                                                 help="directory for split.json and split.txt"),
+                      docs="split").parse_args(argv)
 
 
 def make_workload(name, args):
@@ -206,15 +206,9 @@ def main(argv=None):
     text = (f"{tables(results)}\n\n{machine_line(info)}; {args.threads} thread(s), {args.warmup} warm-up "
             f"rounds discarded; took {elapsed:.0f} s")
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "split.txt").write_text(text + "\n")
     record = {"args": vars(args), "machine": info, "machine_line": machine_line(info), "elapsed_s": elapsed,
               "workloads": results}
-    (out / "split.json").write_text(json.dumps(record, indent=1))
-    if args.docs:
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(record, "split")
+    common.save(args, "split", record, [text])
     return record
 
 

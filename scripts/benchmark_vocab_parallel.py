@@ -24,7 +24,6 @@ States the machine it ran on.
 bound no route can beat, every rank busy with 1/p of the whole model's work and 1/p of its optimizer step
 (the paper's route with free collectives could at best reach it).
 """
-import argparse
 import json
 import os
 import statistics
@@ -33,28 +32,24 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project root: local_launch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 ONE_PROCESS = "one process"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-size", default="small")
-    p.add_argument("--block-size", type=int, default=None, help="override the size's context (e.g. gpt2 at 64)")
-    p.add_argument("--n-layer", type=int, default=None, help="override the size's number of blocks")
-    p.add_argument("--stages", type=int, nargs="+", default=[2])
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4])
+    p = common.parser(__doc__)
+    common.add(p, "model-size", "block-size", "n-layer", "stages", "micro-batch-size", "micro-batches",
+               block_size=dict(help="override the size's context (e.g. gpt2 at 64)"),
+               stages=dict(nargs="+", default=[2]), micro_batch_size=4, micro_batches=[4])
     p.add_argument("--profile", default=None, help="predict from this saved profile instead of measuring")
     p.add_argument("--steps", type=int, default=12, help="steps per launch")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    common.add(p, "warmup", warmup=dict(help="first steps left out of the median"))
     p.add_argument("--trace-steps", type=int, default=2, help="last steps traced (left out of the median)")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
-    p.add_argument("--out", default="runs/vocab-parallel")
-    p.add_argument("--docs", action="store_true", help="also write docs/bench/vocab-parallel[-SIZE].json")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
-    return p.parse_args(argv)
+    return common.add(p, "rounds", "schedules", "out", "docs", "timeout", rounds=1, out="runs/vocab-parallel",
+                      docs=dict(help="also write docs/bench/vocab-parallel[-SIZE].json"),
+                      timeout=dict(help="seconds per launch")).parse_args(argv)
 
 
 def configurations(args):
@@ -251,10 +246,8 @@ def main(argv=None):
     if args.profile:
         rows, lines = predictions(args)
         print("\n".join(lines))
-        if args.docs:
-            name = os.path.splitext(os.path.basename(args.profile))[0]
-            with open(os.path.join("docs", "bench", f"vocab-parallel-predicted-{name}.json"), "w") as f:
-                json.dump({"args": vars(args), "rows": rows, "table": lines}, f, indent=1)
+        name = os.path.splitext(os.path.basename(args.profile))[0]
+        common.save(args, f"vocab-parallel-predicted-{name}", {"args": vars(args), "rows": rows, "table": lines})
         return
     from schedules.observe.memory import machine_line
     machine = machine_line()
@@ -265,8 +258,7 @@ def main(argv=None):
     folder = tempfile.mkdtemp(prefix="vocab-bench-")
     runs, started = {name: [] for name, *_ in configs}, time.time()
     for r in range(args.rounds):
-        order = configs[r % len(configs):] + configs[:r % len(configs)]
-        for name, ranks, flags, env in order:
+        for name, ranks, flags, env in common.rotated(configs, r):
             t0 = time.time()
             runs[name].append(run_once(args, name, ranks, flags, env, folder))
             print(f"round {r + 1}: {name}: {statistics.median(runs[name][-1]['steps']) * 1e3:.0f} ms per step "
@@ -276,15 +268,10 @@ def main(argv=None):
         f"two busy processes each computed at {contention['speed_each']:.2f} of one alone",
         f"took {time.time() - started:.0f} s"]
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
     report = {"machine": machine, "args": vars(args), "rows": rows, "runs": runs, "two_busy_ranks": contention}
-    with open(os.path.join(args.out, "vocab-parallel.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    if args.docs:
-        name = "vocab-parallel" + ("" if args.model_size == "small" and not args.block_size else
-                                   f"-{args.model_size}" + (f"-ctx{args.block_size}" if args.block_size else ""))
-        with open(os.path.join("docs", "bench", f"{name}.json"), "w") as f:
-            json.dump({**report, "table": lines}, f, indent=1)
+    name = "vocab-parallel" + ("" if args.model_size == "small" and not args.block_size else
+                               f"-{args.model_size}" + (f"-ctx{args.block_size}" if args.block_size else ""))
+    common.save(args, "vocab-parallel", report, publish=name, published={**report, "table": lines})
 
 
 if __name__ == "__main__":

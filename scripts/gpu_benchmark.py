@@ -18,11 +18,11 @@ per rank over NCCL, measured bubbles against the simulator's, CUDA memory per st
 them, within a share of the budget; the per-stage measurements then run on cuda:0 (cuda:1 times
 the p2p copy).
 """
-import argparse
 import contextlib
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,7 +33,10 @@ START = time.perf_counter()  # the budget counts imports and model builds too
 
 import torch  # noqa: E402 (after START: the budget counts the import)
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
+ROOT = Path(common.ROOT)
 
 NO_GPU = "gpu_benchmark: no CUDA device here; run it on a GPU machine (see README); nothing measured"
 PHASES = ("F", "B", "W", "BW")
@@ -44,16 +47,16 @@ PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A1
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__)
     p.add_argument("--sizes", nargs="+", default=["small", "medium", "gpt2"],
                    help="gptlite.MODEL_SIZES keys, in order (the last are skipped when the budget runs out)")
     p.add_argument("--ranks", nargs="+", type=int, default=[4, 8], help="pipeline ranks p to predict")
     p.add_argument("--m-per-rank", nargs="+", type=int, default=[2, 4], help="micro-batches m = k * p, per k")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="ds_config.json's value")
-    p.add_argument("--block-size", type=int, help="context length (default: the size's own; gpt2: 1024)")
-    p.add_argument("--rounds", type=int, default=50, help="measured rounds per stage (F, BW, B, W once each)")
-    p.add_argument("--warmup", type=int, default=5, help="rounds run first and discarded")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="cpu: to exercise the logic")
+    common.add(p, "micro-batch-size", "block-size", "rounds", "warmup", "device",
+               micro_batch_size=dict(default=8, help="ds_config.json's value"),
+               block_size=dict(help="context length (default: the size's own; gpt2: 1024)"),
+               rounds=dict(default=50, help="measured rounds per stage (F, BW, B, W once each)"), warmup=5,
+               device=dict(choices=["auto", "cuda", "cpu"], default="auto", help="cpu: to exercise the logic"))
     p.add_argument("--dry-run", action="store_true", help="tiny size, 2 rounds, micro-batch 2 x T=16")
     p.add_argument("--require-gpu", action="store_true", help="exit 2, not 0, where there is no CUDA device")
     p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: from the GPU's name)")
@@ -61,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--p2p-overhead-us", type=float, default=15.0,
                    help="added to the measured activation copy: a send/recv's launch and handshake")
     p.add_argument("--budget-s", type=float, default=270, help="no new measurement after this many seconds")
-    p.add_argument("--out", default=str(ROOT / "runs" / "gpu"), help="directory for gpu_benchmark.json and .txt")
+    common.add(p, "out", out=dict(default=str(ROOT / "runs" / "gpu"), help="directory for gpu_benchmark.json, .txt"))
     args = p.parse_args(argv)
     if args.dry_run:
         args.sizes, args.rounds, args.warmup, args.micro_batch_size, args.block_size = ["tiny"], 2, 1, 2, 16
@@ -322,13 +325,10 @@ def main(argv=None):
     text = "\n".join(head + (["", *distributed["lines"]] if distributed and "lines" in distributed else [])
                      + sum((["", *size_text(s, r)] for s, r in sizes.items()), []))
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_benchmark.txt").write_text(text + "\n")
     record = {"args": vars(args), "machine": info, "device": str(device), "dtype": "bf16", "peak_tflops": peak_tf,
               "peak_source": peak_src, "notes": notes, "skipped_sizes": skipped, "sizes": sizes, "wall_s": wall,
               "distributed": distributed}
-    (out / "gpu_benchmark.json").write_text(json.dumps(record, indent=1))
+    common.save(args, "gpu_benchmark", record, [text])
     return 0
 
 

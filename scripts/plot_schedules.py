@@ -7,10 +7,12 @@ A dashed line marks where 1F1B ends for the same P and M. Schedules whose iterat
 chained run, one iteration in full colour and its neighbours faded.
 """
 
-import argparse
 import contextlib
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator notice to stdout on import
     from schedules.observe.plot import plot_timeline
@@ -19,11 +21,8 @@ with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator n
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--stages', type=int, required=True, help='pipeline ranks P')
-    parser.add_argument('--micro-batches', type=int, required=True, help='micro-batches per iteration M')
+    parser = common.add_point(common.parser(__doc__))
     parser.add_argument('--out', required=True, help='directory for the PNG files')
-    parser.add_argument('--latency', type=float, default=0.0, help='cost of one p2p message, in forward units')
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     P, M = args.stages, args.micro_batches
