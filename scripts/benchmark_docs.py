@@ -5,25 +5,9 @@
 
 Every number in the page's tables, and every figure in its prose that a JSON file holds, is
 computed here from that file; the prose around them is text in this file. Each benchmark script
-run with `--docs` writes its JSON here and renders the page (`publish`). Inputs (each optional:
-a missing file leaves its section saying how to produce it):
-
-    deep.json       scripts/benchmark_schedules.py --what both (deep model): throughput, bubbles, memory
-    gptlite.json    the same on GPTlite small
-    memory.json     scripts/benchmark_memory.py: the two pipeline builds
-    split.json      scripts/benchmark_split.py: F, B, W and the fused backward
-    p2p.json        scripts/benchmark_p2p.py: a late receive on gloo (128 KiB)
-    p2p-512kib.json the same with --kib 512
-    chooser.json    scripts/benchmark_chooser.py: the pick of --pipeline-schedule auto against every schedule measured
-    peers.json      scripts/benchmark_peers.py: ours against torch.distributed.pipelining, the whole step
-    peers-gptlite.json  the same on GPTlite (--model gptlite)
-    interlock.json  scripts/benchmark_interlock.py: interlocked against synchronised steps, rollbacks
-    interlock-timed-p4.json, interlock-timed-p8.json  the same at p = 4 and 8, passes of set times (--pass-ms)
-    interlock-timed-p4-zero1.json  the same at p = 4 with DeepSpeed's ZeRO-1 optimizer (--zero 1)
-    interlock-timed-p4-zero1-bf16.json  the same in bf16: DeepSpeed's BF16 optimizer (--zero 1 --bf16)
-    interlock-timed-p4-zero1-bf16-clipping-off.json  the same, clipping off, paired round by round
-    interlock-timed-p2-clipping-off.json  p = 2, passes of set times, clipping off, paired round by round
-    simulator.json  scripts/benchmark_simulator.py: the simulator's speed, p = 4 to 64; the schedule table, the chooser
+run with `--docs` writes its JSON here and renders the page (`publish`). Inputs: INPUTS, each file
+with the command that writes it (each optional: a missing file leaves its section saying how to
+produce it, or out where it adds to another).
 
 Standard library only: no torch, no deepspeed, nothing from the project.
 """
@@ -119,6 +103,31 @@ def percent_range(fractions):
     return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
 
 
+def label(name):
+    """A schedule as the papers name it (as registered where they do not)."""
+    return NAMES.get(name, name)
+
+
+def per_rank(values, fmt="{:.2f}"):
+    """A figure per rank: 'a / b / ...', each formatted by `fmt` (a format string or a function)."""
+    return " / ".join(fmt.format(v) if isinstance(fmt, str) else fmt(v) for v in values)
+
+
+def vs(a, b, fmt=pct):
+    """'a / b', each formatted by `fmt`: measured / predicted, or one run / another."""
+    return f"{fmt(a)} / {fmt(b)}"
+
+
+def pairs(measured, predicted, fmt=pct):
+    """vs() per rank, side by side."""
+    return " ".join(vs(a, b, fmt) for a, b in zip(measured, predicted))
+
+
+def points_off(measured, predicted):
+    """The largest difference between two per-rank fractions, in points."""
+    return max(abs(a - b) for a, b in zip(measured, predicted)) * 100
+
+
 def listing(items):
     items = list(items)
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
@@ -155,14 +164,20 @@ def table(headers, rows, align=None):
 
 
 def command(script, flags):
-    """`python scripts/SCRIPT --flag value ...` from (flag, value) pairs; a list value is spread."""
+    """`python scripts/SCRIPT --flag value ...` from (flag, value) pairs; a list value is spread, a float as `:g`."""
     parts = [f"python scripts/{script}"]
+    text = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
     for flag, value in flags:
         if value is True:
             parts.append(flag)
         elif value not in (None, False):
-            parts.append(flag + " " + (" ".join(map(str, value)) if isinstance(value, list) else str(value)))
+            parts.append(flag + " " + (" ".join(map(text, value)) if isinstance(value, list) else text(value)))
     return " ".join(parts)
+
+
+def from_args(args, *keys):
+    """(flag, value) pairs of a record's args, in this order: the command line that measured it."""
+    return [("--" + key.replace("_", "-"), args[key]) for key in keys]
 
 
 def code(*commands):
@@ -174,17 +189,10 @@ def code(*commands):
 # Schedules side by side (benchmark_schedules.py)
 # --------------------------------------------------------------------------------------------
 def schedules_command(args):
-    flags = [("--what", args["what"]), ("--model", args["model"]), ("--stages", args["stages"]),
-             ("--micro-batches", args["micro_batches"])]
-    if args["model"] == "deep":
-        flags += [("--deep-width", args["deep_width"]), ("--deep-depth", args["deep_depth"])]
-    else:
-        flags += [("--model-size", args["model_size"])]
-    flags += [("--micro-batch-size", args["micro_batch_size"]), ("--rounds", args["rounds"]),
-              ("--steps-per-round", args["steps_per_round"])]
-    if args.get("device", "cpu") != "cpu":
-        flags.append(("--device", args["device"]))
-    return command("benchmark_schedules.py", flags)
+    model = ("deep_width", "deep_depth") if args["model"] == "deep" else ("model_size", )
+    return command("benchmark_schedules.py", from_args(args, "what", "model", "stages", "micro_batches", *model,
+                                                       "micro_batch_size", "rounds", "steps_per_round")
+                   + ([("--device", args["device"])] if args.get("device", "cpu") != "cpu" else []))
 
 
 def p2p_line(res):
@@ -193,7 +201,7 @@ def p2p_line(res):
 
 
 def bubble_cells(row):
-    return [f"{pct(b)} / {pct(q)}" for b, q in zip(row["bubble"], row["predicted_bubble"])]
+    return [vs(b, q) for b, q in zip(row["bubble"], row["predicted_bubble"])]
 
 
 def throughput_table(res, tokens=False):
@@ -233,7 +241,7 @@ def bubbles_within(res):
     under = [e for e in errs if e[0] <= BUBBLE_TARGET]
     text = f"within {under[0][0]:.1f} points" if under else "none within the target"
     if over:
-        text += ", except " + listing(f"{NAMES.get(n, n)}'s rank {r} ({p:.1f})" for p, n, r in over)
+        text += ", except " + listing(f"{label(n)}'s rank {r} ({p:.1f})" for p, n, r in over)
     return text
 
 
@@ -347,14 +355,10 @@ def gptlite_section(gpt):
 
 
 def activation_table(rows):
-    out = []
-    for name in ordered(rows):
-        r = rows[name]
-        two = lambda xs, f: " / ".join(f(x) for x in xs)  # noqa: E731
-        out.append([name, two(r["peak_saved_bytes"], mib), two(r["units"], lambda x: f"{x:.1f}"),
-                    two(r["bytes_per_unit"], lambda x: f"{x / MiB:.2f}"), two(r["predicted_bytes"], mib),
-                    two(r["measured_over_predicted"], lambda x: f"{x:.2f}"),
-                    two(r["peak_rss_bytes"], lambda x: mib(x, 0)), two(r["param_bytes"], mib)])
+    out = [[name, per_rank(r["peak_saved_bytes"], mib), per_rank(r["units"], "{:.1f}"),
+            per_rank(r["bytes_per_unit"], lambda x: f"{x / MiB:.2f}"), per_rank(r["predicted_bytes"], mib),
+            per_rank(r["measured_over_predicted"]), per_rank(r["peak_rss_bytes"], lambda x: mib(x, 0)),
+            per_rank(r["param_bytes"], mib)] for name, r in ((name, rows[name]) for name in ordered(rows))]
     return table(["schedule", "saved MiB rank 0 / 1", "simulator units", "MiB per unit",
                   "simulator from per-pass bytes, MiB", "measured / that", "peak RSS MiB", "parameters MiB"], out)
 
@@ -420,10 +424,8 @@ def builds_section(doc):
                      f"{mib(lst['peak_rss']['max'], 0)} -> {mib(spec['peak_rss']['max'], 0)}",
                      f"{saving(sv['build_rss_max'])} / {saving(sv['build_rss_mean'])}",
                      f"{saving(sv['peak_rss_max'])} / {saving(sv['peak_rss_mean'])}"])
-    flags = [("--model-size", c["model_size"]), ("--n-layer", c["n_layer"]), ("--block-size", c["block_size"]),
-             ("--stages", c["stages"]), ("--micro-batches", c["micro_batches"]),
-             ("--micro-batch-size", c["micro_batch_size"]), ("--partition-method", c["partition_method"]),
-             ("--optimizer", c["optimizer"])]
+    flags = from_args(c, "model_size", "n_layer", "block_size", "stages", "micro_batches", "micro_batch_size",
+                      "partition_method", "optimizer")
     results = doc["results"]
     top = max(stages)
     list_build = [r["build_rss"] for r in results if r["build"] == "list"]
@@ -482,10 +484,8 @@ def split_section(doc):
                      f"1 : {q['B/F'][0]:.2f} : {q['W/F'][0]:.2f}", f"{q['BW/F'][0]:.2f}",
                      f"{signed_pct(over[0])} (IQR {over[1]:.1f} to {over[2]:.1f}%)",
                      f"{fl['B'] / fl['BW']:.0%} / {fl['W'] / fl['BW']:.0%}"])
-    flags = [("--workloads", args["workloads"]), ("--model-size", args["model_size"]), ("--stages", args["stages"]),
-             ("--micro-batch-size", args["micro_batch_size"]), ("--block-size", args["block_size"]),
-             ("--deep-width", args["deep_width"]), ("--deep-blocks", args["deep_blocks"]),
-             ("--rounds", args["rounds"]), ("--seconds", f"{args['seconds']:g}"), ("--threads", args["threads"])]
+    flags = from_args(args, "workloads", "model_size", "stages", "micro_batch_size", "block_size", "deep_width",
+                      "deep_blocks", "rounds", "seconds", "threads")
     return blocks(["## Cost of splitting the backward", code(command("benchmark_split.py", flags)), para(f"""
         Took {doc['elapsed_s']:.0f} s on {machine_line(doc['machine'])}. It times one pipeline stage's layers on
         {args['threads']} thread{'s' if args['threads'] > 1 else ''}, measurements interleaved in rounds (at least
@@ -517,8 +517,7 @@ def p2p_section(docs):
                        for f in (statistics.median, statistics.mean, max)),
                      d["wrong_messages"]])
     machines = sorted({machine_line(d["machine"]) for d in docs})
-    runs = code(*(command("benchmark_p2p.py", [("--kib", d["args"]["kib"]), ("--rounds", d["args"]["rounds"]),
-                                                ("--compute-ms", f"{d['args']['compute_ms']:g}")]) for d in docs))
+    runs = code(*(command("benchmark_p2p.py", from_args(d["args"], "kib", "rounds", "compute_ms")) for d in docs))
     raw = listing(f"[`bench/{d['_file']}`](bench/{d['_file']})" for d in docs)
     return blocks(["## A late receive on gloo", runs, para(f"""
         A few seconds each on {listing(machines)}. Rank 0 sends a message with `isend` and goes on computing
@@ -562,8 +561,8 @@ def noise_note(models):
 
 def budget_memory_table(memory):
     """The schedules measured beside the budget picks at one (p, m): closed form, predicted and measured peaks."""
-    rows = [[k, " / ".join(f"{u:g}" for u in v["units"]), " / ".join(f"{x:.2f}" for x in v["predicted_peak_mib"]),
-             " / ".join(f"{x:.2f}" for x in v["measured_peak_mib"])] for k, v in memory["schedules"].items()]
+    rows = [[k, per_rank(v["units"], "{:g}"), per_rank(v["predicted_peak_mib"]), per_rank(v["measured_peak_mib"])]
+            for k, v in memory["schedules"].items()]
     return table(["schedule", "micro-batches held (simulator's units)", "predicted peak MiB", "measured peak MiB"],
                  rows)
 
@@ -665,11 +664,9 @@ def chooser_section(doc):
         table(["model", "m", "pick", "best measured", "pick step ms", "best step ms", "regret", "rank correlation",
                "schedules measured"], rows), para(verdict + "." + noise_note(models))]
     for model, entry in models.items():
-        keys = []
-        for c in entry["configs"]:
-            keys += [k for k in c["measured_s"] if k not in keys]
+        keys = dict.fromkeys(k for c in entry["configs"] for k in c["measured_s"])  # in the order first measured
         header = ["schedule"] + [f"m = {c['micro_batches']}: predicted / measured ms" for c in entry["configs"]]
-        body = [[k] + [f"{ms(c['predicted_s'][k])} / {ms(c['measured_s'][k])}" if k in c["measured_s"] else "-"
+        body = [[k] + [vs(c["predicted_s"][k], c["measured_s"][k], ms) if k in c["measured_s"] else "-"
                        for c in entry["configs"]] for k in keys]
         out += [para(f"""{model}: predicted step (the simulator's synchronised step on the composed costs, plus the
             optimizer step and DualPipe's gradient all-reduce; what every schedule pays alike is left out, so the
@@ -679,14 +676,13 @@ def chooser_section(doc):
     for model, entry in models.items():
         for b in entry["budgets"]:
             head = [model, b.get("stages", 2), b["micro_batches"], b["budget"], f"{b['budget_mib']:.2f}"]
-            one = " / ".join(f"{x:.2f}" for x in b.get("one_f_one_b_measured_peak_mib", [])) or "-"
+            one = per_rank(b.get("one_f_one_b_measured_peak_mib", [])) or "-"
             if "refusal" in b:
                 budget_rows.append(head + ["none", "-", "-", one, b["refusal"]])
                 continue
             under = all(x <= b["budget_mib"] for x in b["measured_peak_mib"])
-            budget_rows.append(head + [b["pick"], " / ".join(f"{x:.2f}" for x in b["predicted_peak_mib"]),
-                                       " / ".join(f"{x:.2f}" for x in b["measured_peak_mib"]), one,
-                                       "under the budget" if under else "OVER the budget"])
+            budget_rows.append(head + [b["pick"], per_rank(b["predicted_peak_mib"]), per_rank(b["measured_peak_mib"]),
+                                       one, "under the budget" if under else "OVER the budget"])
     if budget_rows:
         out += [para("""With `--max-activation-memory`: the pick under a budget below the unconstrained pick's
             predicted peak, under one below 1F1B's, and (where a schedule fits below 1F1B) under one below every
@@ -705,9 +701,6 @@ def chooser_section(doc):
     return blocks(out)
 
 
-# --------------------------------------------------------------------------------------------
-# The page
-# --------------------------------------------------------------------------------------------
 # --------------------------------------------------------------------------------------------
 # Against torch.distributed.pipelining (benchmark_peers.py)
 # --------------------------------------------------------------------------------------------
@@ -731,25 +724,23 @@ def load_note(doc):
 
 def peers_command(args):
     """The command line that measures what `args` (the JSON's) record, its defaults left out."""
-    flags = []
-    if args["model"] != "deep":
-        flags += ["--model", args["model"]]
-    if args["micro_batches"] != [4, 8]:
-        flags += ["--micro-batches", *map(str, args["micro_batches"])]
-    if args["clip"] != "both":
-        flags += ["--clip", args["clip"]]
-    if args["micro_batch_size"] != (4 if args["model"] == "gptlite" else 32):
-        flags += ["--micro-batch-size", str(args["micro_batch_size"])]
-    if args["rounds"] != 6 or args["steps_per_round"] != 3:
-        flags += ["--rounds", str(args["rounds"]), "--steps-per-round", str(args["steps_per_round"])]
-    return " ".join(["python scripts/benchmark_peers.py --docs", *flags])
+    defaults = {"model": "deep", "micro_batches": [4, 8], "clip": "both",
+                "micro_batch_size": 4 if args["model"] == "gptlite" else 32}
+    keys = [key for key, value in defaults.items() if args[key] != value]
+    keys += ["rounds", "steps_per_round"] if (args["rounds"], args["steps_per_round"]) != (6, 3) else []
+    return command("benchmark_peers.py --docs", from_args(args, *keys))
+
+
+def slowest(row):
+    """The rank of a peer benchmark's row with the most time outside the schedule."""
+    return max(range(len(row["outside_s"])), key=lambda i: row["outside_s"][i])
 
 
 def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining", file="peers.json"):
     runs = _peer_runs(doc)
-    rows, misses, outside_misses = [], [], []
+    rows, misses, outside_misses, best_rows, stock_lines, parts_rows = [], [], [], [], [], []
     for run in runs:
-        rws = run["rows"]
+        rws, where = run["rows"], f"m = {run['m']}, clipping {run['clip']}"
         for name in PEER_PAIRS:
             ours, theirs = rws.get(f"ours:{name}"), rws.get(f"torch:{name}")
             if not (ours and theirs):
@@ -758,27 +749,36 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
             o_out, t_out = max(ours["outside_s"]), max(theirs["outside_s"])
             # the critical path's time outside the schedule, ours over PyTorch's step by step (older JSON: none)
             extra = run["compare"][name].get("critical_outside_diff_s")
-            label = "1F1B (ours: DeepSpeed's stock engine)" if name == "1f1b" else NAMES.get(name, name)
-            rows.append([run["m"], run["clip"], label, ms(theirs["step_s"]), ms(ours["step_s"]), f"{ratio:.3f}",
+            who = "1F1B (ours: DeepSpeed's stock engine)" if name == "1f1b" else label(name)
+            rows.append([run["m"], run["clip"], who, ms(theirs["step_s"]), ms(ours["step_s"]), f"{ratio:.3f}",
                          ms(t_out), ms(o_out)]
-                        + ([f"{ms(theirs['critical_outside_s'])} / {ms(ours['critical_outside_s'])}",
-                            signed_ms(extra)] if extra is not None else []))
+                        + ([vs(theirs["critical_outside_s"], ours["critical_outside_s"], ms), signed_ms(extra)]
+                           if extra is not None else []))
             if name != "1f1b":
                 if ratio > 1:
-                    misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} ({ratio:.3f})")
+                    misses.append(f"{label(name)} at {where} ({ratio:.3f})")
                 extra = extra if extra is not None else o_out - t_out
                 if extra > OUTSIDE_MARGIN:
-                    outside_misses.append(f"{NAMES.get(name, name)} at m = {run['m']}, clipping {run['clip']} "
-                                          f"({signed_ms(extra)} ms)")
-    critical = any("critical_outside_diff_s" in c for run in runs for c in run["compare"].values())
-    best_rows = []
-    for run in runs:
+                    outside_misses.append(f"{label(name)} at {where} ({signed_ms(extra)} ms)")
         best = run["compare"].get("best")
         if best:
-            rws = run["rows"]
-            best_rows.append([run["m"], run["clip"], NAMES.get(best["ours"], best["ours"]),
+            best_rows.append([run["m"], run["clip"], label(best["ours"]),
                               ms(rws["ours:" + best["ours"]]["step_s"]), best["torch"],
                               ms(rws["torch:" + best["torch"]]["step_s"]), signed_pct(best["speedup"] * 100)])
+        stock, lean, theirs = rws.get("ours:1f1b"), rws.get("ours:1f1b-lean"), rws.get("torch:1f1b")
+        if stock and lean and theirs:
+            reduce = stock["outside_parts_s"][slowest(stock)]["ReduceGrads"]
+            stock_lines.append(item(
+                f"{where}: stock {ms(stock['step_s'])} ms a step, of which "
+                f"{ms(max(stock['outside_s']))} outside the schedule ({ms(reduce)} in ReduceGrads); on our engine "
+                f"{ms(lean['step_s'])} ms ({ms(max(lean['outside_s']))} outside); "
+                f"PyTorch's 1F1B {ms(theirs['step_s'])} ms ({ms(max(theirs['outside_s']))} outside)."))
+        for key in ("ours:zb-v", "torch:zb-v", "ours:1f1b", "torch:1f1b"):
+            if key in rws:
+                r, slow = rws[key], slowest(rws[key])
+                parts = "; ".join(f"{k} {ms(v)}" for k, v in r["outside_parts_s"][slow].items())
+                parts_rows.append([run["m"], run["clip"], key, ms(r["outside_s"][slow]), parts])
+    critical = any("critical_outside_diff_s" in c for run in runs for c in run["compare"].values())
     losses = [c["loss_diff"] for run in runs for k, c in run["compare"].items() if k != "best" and
               c.get("loss_diff") is not None]
     verdicts = [item("Every schedule both offer except 1F1B is at most PyTorch's step time in every configuration."
@@ -792,26 +792,6 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
     if losses:
         verdicts.append(item(f"The first step's loss of the two sides differs by at most {max(losses):.1e}: the same "
                              "weights, data and loss on both."))
-    stock_lines = []
-    for run in runs:
-        rws = run["rows"]
-        stock, lean, theirs = rws.get("ours:1f1b"), rws.get("ours:1f1b-lean"), rws.get("torch:1f1b")
-        if stock and lean and theirs:
-            slow = max(range(len(stock["outside_s"])), key=lambda i: stock["outside_s"][i])
-            reduce = stock["outside_parts_s"][slow]["ReduceGrads"]
-            stock_lines.append(item(
-                f"m = {run['m']}, clipping {run['clip']}: stock {ms(stock['step_s'])} ms a step, of which "
-                f"{ms(max(stock['outside_s']))} outside the schedule ({ms(reduce)} in ReduceGrads); on our engine "
-                f"{ms(lean['step_s'])} ms ({ms(max(lean['outside_s']))} outside); "
-                f"PyTorch's 1F1B {ms(theirs['step_s'])} ms ({ms(max(theirs['outside_s']))} outside)."))
-    parts_rows = []
-    for run in runs:
-        for key in ("ours:zb-v", "torch:zb-v", "ours:1f1b", "torch:1f1b"):
-            r = run["rows"].get(key)
-            if r:
-                slow = max(range(len(r["outside_s"])), key=lambda i: r["outside_s"][i])
-                parts = "; ".join(f"{k} {ms(v)}" for k, v in r["outside_parts_s"][slow].items())
-                parts_rows.append([run["m"], run["clip"], key, ms(r["outside_s"][slow]), parts])
     critical_note = (" On the critical path: a step's time less its schedule's extent over the ranks (from the "
                      "first rank's first instruction or receive posting to the last rank's last pass or transfer), "
                      "step by step: what the step adds to its schedule; a rank that ends its schedule early and "
@@ -859,6 +839,9 @@ def peers_section(doc, title="## Against PyTorch's torch.distributed.pipelining"
                          broadcast after the optimizer step:"""), "\n".join(stock_lines)] if stock_lines else []))
 
 
+# --------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------
 HEADER = [
     "# Benchmarks",
     "<!-- Generated by `python scripts/benchmark_docs.py` from docs/bench/*.json: edit that script, not this file.\n"
@@ -900,10 +883,20 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
 INTERLOCK_RUNS = ("interlock-clipping-off.json", "interlock-timed-p2-clipping-off.json", "interlock-timed-p4.json",
                   "interlock-timed-p8.json", "interlock-timed-p4-zero1.json", "interlock-timed-p4-zero1-bf16.json",
                   "interlock-timed-p4-zero1-bf16-clipping-off.json")
-INPUTS = ("deep.json", "gptlite.json", "memory.json", "split.json", "p2p.json", "p2p-512kib.json", "chooser.json",
-          "peers.json", "peers-gptlite.json", "interlock.json") + INTERLOCK_RUNS + ("simulator.json", )
+SIDE_BY_SIDE = "python scripts/benchmark_schedules.py --what both"
+# docs/bench/*.json in the page's order, and the command that writes each (None: one that adds to another's section)
+INPUTS = {"deep.json": SIDE_BY_SIDE, "gptlite.json": f"{SIDE_BY_SIDE} --model gptlite --micro-batches 4",
+          "memory.json": "python scripts/benchmark_memory.py", "split.json": "python scripts/benchmark_split.py",
+          "p2p.json": "python scripts/benchmark_p2p.py", "p2p-512kib.json": None,
+          "chooser.json": "python scripts/benchmark_chooser.py --docs", "peers.json":
+          "python scripts/benchmark_peers.py --docs", "peers-gptlite.json": None,
+          "interlock.json": "python scripts/benchmark_interlock.py --docs", **dict.fromkeys(INTERLOCK_RUNS),
+          "simulator.json": "python scripts/benchmark_simulator.py --docs"}
 
 
+# --------------------------------------------------------------------------------------------
+# Interlocked steps (benchmark_interlock.py)
+# --------------------------------------------------------------------------------------------
 def interlock_title(file):
     """The section title of a benchmark_interlock run, from its file's name: interlock[-timed-pP][-zero1][-bf16]
     [-clipping-off].json."""
@@ -977,16 +970,13 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
         rows, clipped, replayed, contended = [], [], [], []
         for name in ordered(res["schedules"]):
             r = res["schedules"][name]
-            within = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["pred_bubble_interlocked"])) * 100
-            rows.append([NAMES.get(name, name), f"{ms(r['sync_s'])} / {ms(r['pred_makespan_s'])}",
-                         f"{ms(r['period_s'])} / {ms(r['pred_period_s'])}",
+            rows.append([label(name), vs(r["sync_s"], r["pred_makespan_s"], ms),
+                         vs(r["period_s"], r["pred_period_s"], ms),
                          f"{r['speedup']:.3f} / {r['pred_speedup']:.3f}"
                          + (f" ({r['pred_speedup_order']:.3f})" if "pred_speedup_order" in r else ""),
-                         gain_cell(r["speedup"], r["pred_speedup"]),
-                         " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_sync"], r["pred_bubble_sync"])),
-                         " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
-                                                                         r["pred_bubble_interlocked"])),
-                         f"{within:.1f}"])
+                         gain_cell(r["speedup"], r["pred_speedup"]), pairs(r["bubble_sync"], r["pred_bubble_sync"]),
+                         pairs(r["bubble_interlocked"], r["pred_bubble_interlocked"]),
+                         f"{points_off(r['bubble_interlocked'], r['pred_bubble_interlocked']):.1f}"])
             if "speedup_paired" in r:  # the median of the rounds' speed-ups, each round's two runs seconds apart
                 lo, hi = r["speedup_quartiles"]
                 rows[-1][5:5] = [f"{r['speedup_paired']:.3f} ({lo:.3f}-{hi:.3f}) / {r['pred_speedup_paired']:.3f}",
@@ -994,16 +984,13 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                                  "{:.3f} ({:.3f}-{:.3f})".format(*r["meas_over_pred_paired"])
                                  if "meas_over_pred_paired" in r else "-"]
             if "replay_period_s" in r:
-                off = max(abs(a - b) for a, b in zip(r["bubble_interlocked"], r["replay_bubble_interlocked"])) * 100
-                replayed.append([NAMES.get(name, name), f"{ms(r['period_s'])} / {ms(r['replay_period_s'])}",
-                                 " ".join(f"{pct(a)} / {pct(b)}" for a, b in zip(r["bubble_interlocked"],
-                                                                                 r["replay_bubble_interlocked"])),
-                                 f"{off:.1f}"])
+                replayed.append([label(name), vs(r["period_s"], r["replay_period_s"], ms),
+                                 pairs(r["bubble_interlocked"], r["replay_bubble_interlocked"]),
+                                 f"{points_off(r['bubble_interlocked'], r['replay_bubble_interlocked']):.1f}"])
             if "contention" in r:
                 c = r["contention"]
                 cores = c.get("cores_in_use") or {}
-                contended.append([NAMES.get(name, name), f"{pct(c['overlap']['sync'])} / "
-                                  f"{pct(c['overlap']['interlocked'])}",
+                contended.append([label(name), vs(c["overlap"]["sync"], c["overlap"]["interlocked"]),
                                   f"{c['cost_ratio_measured']:.3f}" if c["cost_ratio_measured"] is not None else "-",
                                   f"{cores['sync']:.2f} / {cores['interlocked']:.2f}" if cores.get("sync") else "-"])
             policies = r.get("clipped", {})
@@ -1014,7 +1001,7 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
                 never = c["threshold"] >= 1e29  # benchmark_interlock's never- runs: nothing clips
                 replays = c.get("replays_per_rank")
                 speculated = c.get("speculated_per_rank")
-                clipped.append([NAMES.get(name, name), policy[len("never-"):] if never else policy,
+                clipped.append([label(name), policy[len("never-"):] if never else policy,
                                 "none clips" if never else f"{c['threshold']:.3g}",
                                 f"{sum(c['rollbacks_per_rank'])} ({pct(c['rollback_rate'], 0)})",
                                 str(max(speculated)) if speculated else "-",
@@ -1110,6 +1097,15 @@ def missing(title, name, how):
     return blocks([title, f"_No `bench/{name}` yet: run `{how}`._"])
 
 
+def section(docs, file, title, render, needs=None):
+    """render(docs[file]), or where there is no such file (or it lacks the key `needs`) a line saying how to make
+    it (INPUTS), or nothing."""
+    doc = docs.get(file)
+    if doc is not None and (needs is None or doc.get(needs)):
+        return render(doc)
+    return missing(title, file, INPUTS[file]) if INPUTS[file] else None
+
+
 def machines_section(docs):
     rows = [[f"[`{name}`](bench/{name})", machine_line(doc["machine"])] for name, doc in docs.items()]
     return blocks(["## Machines", table(["file", "machine"], rows)])
@@ -1123,38 +1119,23 @@ def render(bench_dir=BENCH_DIR) -> str:
         if doc is not None:
             doc["_dir"], doc["_file"] = bench_dir, name
             docs[name] = doc
-    deep, gpt = docs.get("deep.json"), docs.get("gptlite.json")
-    parts = [blocks(HEADER), machines_section(docs)]
-    side_by_side = "python scripts/benchmark_schedules.py --what both"
-    parts.append(deep_section(deep) if deep and deep.get("throughput") else
-                 missing("## Every schedule measured side by side", "deep.json", side_by_side))
-    parts.append(gptlite_section(gpt) if gpt and gpt.get("throughput") else
-                 missing("### GPTlite", "gptlite.json", side_by_side + " --model gptlite --micro-batches 4"))
-    parts.append(activation_section(deep, gpt) if deep and deep.get("memory") else
-                 missing("## Activation memory per schedule", "deep.json", side_by_side))
-    parts.append(builds_section(docs["memory.json"]) if "memory.json" in docs else
-                 missing("## Memory of the two pipeline builds", "memory.json", "python scripts/benchmark_memory.py"))
-    parts.append(split_section(docs["split.json"]) if "split.json" in docs else
-                 missing("## Cost of splitting the backward", "split.json", "python scripts/benchmark_split.py"))
     p2p = [docs[n] for n in ("p2p.json", "p2p-512kib.json") if n in docs]
-    parts.append(p2p_section(p2p) if p2p else
-                 missing("## A late receive on gloo", "p2p.json", "python scripts/benchmark_p2p.py"))
-    parts.append(peers_section(docs["peers.json"]) if "peers.json" in docs else
-                 missing("## Against PyTorch's torch.distributed.pipelining", "peers.json",
-                         "python scripts/benchmark_peers.py --docs"))
-    if "peers-gptlite.json" in docs:
-        parts.append(peers_section(docs["peers-gptlite.json"], "### GPTlite against PyTorch", "peers-gptlite.json"))
-    parts.append(chooser_section(docs["chooser.json"]) if "chooser.json" in docs else
-                 missing("## Choosing a schedule", "chooser.json", "python scripts/benchmark_chooser.py --docs"))
-    parts.append(interlock_section(docs["interlock.json"]) if "interlock.json" in docs else
-                 missing("## Interlocked steps", "interlock.json", "python scripts/benchmark_interlock.py --docs"))
-    for file in INTERLOCK_RUNS:
-        if file in docs:
-            parts.append(interlock_section(docs[file], interlock_title(file), file))
-    parts.append(simulator_section(docs["simulator.json"]) if "simulator.json" in docs else
-                 missing("## The simulator's speed", "simulator.json", "python scripts/benchmark_simulator.py --docs"))
-    parts.append(blocks(GPU))
-    return "\n".join(parts)
+    parts = [blocks(HEADER), machines_section(docs),
+             section(docs, "deep.json", "## Every schedule measured side by side", deep_section, "throughput"),
+             section(docs, "gptlite.json", "### GPTlite", gptlite_section, "throughput"),
+             section(docs, "deep.json", "## Activation memory per schedule",
+                     lambda deep: activation_section(deep, docs.get("gptlite.json")), "memory"),
+             section(docs, "memory.json", "## Memory of the two pipeline builds", builds_section),
+             section(docs, "split.json", "## Cost of splitting the backward", split_section),
+             p2p_section(p2p) if p2p else missing("## A late receive on gloo", "p2p.json", INPUTS["p2p.json"]),
+             section(docs, "peers.json", "## Against PyTorch's torch.distributed.pipelining", peers_section),
+             section(docs, "peers-gptlite.json", None,
+                     lambda doc: peers_section(doc, "### GPTlite against PyTorch", "peers-gptlite.json")),
+             section(docs, "chooser.json", "## Choosing a schedule", chooser_section),
+             section(docs, "interlock.json", "## Interlocked steps", interlock_section)]
+    parts += [interlock_section(docs[file], interlock_title(file), file) for file in INTERLOCK_RUNS if file in docs]
+    parts += [section(docs, "simulator.json", "## The simulator's speed", simulator_section), blocks(GPU)]
+    return "\n".join(part for part in parts if part is not None)
 
 
 def publish(record, name):
