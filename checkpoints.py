@@ -1,13 +1,19 @@
 """Checkpoints of train.py: what a run was trained with (`run.json`, written after every rank's files, so a
 checkpoint with it is complete), compared before a resume loads anything; saves that a crash cannot
 leave half-pointed-at; a damaged file named in one line.
+
+A resume under the layout that wrote the checkpoint loads DeepSpeed's own files (the same losses, bit for
+bit). Under another layout (schedule, stage count, data-parallel degree, ZeRO stage, precision, the
+vocabulary head split or whole, another cut of the layers) the checkpoint is first converted once to
+DeepSpeed's universal layout, one file per parameter and state (schedules/runtime/universal.py), which
+every rank reads its parameters from. What cannot move (another model, another optimizer, another
+micro-batch or global batch) is refused before anything is loaded.
 """
-import argparse
 import json
 import os
 
 from faults import Fault, UsageError, one_line
-from schedules.registry import schedule_spec, trainable_schedules
+from schedules.registry import schedule_spec
 from validation import layer_types
 
 RUN_FILE = "run.json"  # in each checkpoint folder, written after every rank's files: a checkpoint is complete
@@ -39,25 +45,29 @@ def run_record(args, cfg, world):
             "pipeline_parallel_size": pp, "data_parallel_size": world // max(pp, 1), "placement": placement(args),
             "model": model, "partition_method": (args.partition_method or "parameters").lower() if pp else None,
             "zero_stage": cfg.get("zero_optimization", {}).get("stage", 0), "optimizer": cfg["optimizer"]["type"],
-            "bf16": bool(cfg.get("bf16", {}).get("enabled", False))}
+            "bf16": bool(cfg.get("bf16", {}).get("enabled", False)),
+            "micro_batch_size": cfg["train_micro_batch_size_per_gpu"],
+            "gradient_accumulation_steps": cfg["gradient_accumulation_steps"]}
 
 
 def check_resume(args, cfg, world):
-    """The checkpoint `latest` names is complete and undamaged (every file at its recorded size) and was
-    trained with what this run uses, or with a difference a resume may make: (its tag, its record).
-    Else a UsageError naming the file or the flag. Every rank checks, before any waits on another."""
+    """The checkpoint `latest` names is complete and undamaged (every file at its recorded size) and holds
+    what this run trains, on the same data order: (its tag, its record). Else a UsageError naming the file
+    or the flag. Every rank checks, before any waits on another."""
     def need(ok, message):
         if not ok:
             raise UsageError(message)
 
-    latest = os.path.join(args.save_dir, "latest")
-    need(os.path.isfile(latest), f"--resume: no checkpoint in --save-dir {args.save_dir} (no 'latest' file); "
-         "drop --resume to start afresh")
+    source = source_dir(args)
+    latest = os.path.join(source, "latest")
+    flag = f"--resume-from {source}" if args.resume_from else f"--save-dir {source}"
+    need(os.path.isfile(latest), f"--resume: no checkpoint in {flag} (no 'latest' file); drop --resume to start "
+         "afresh")
     with open(latest) as f:
         tag = f.read().strip()
-    folder = os.path.join(args.save_dir, tag)
+    folder = os.path.join(source, tag)
     need(tag and os.path.isdir(folder), f"--resume: {latest} names checkpoint {tag!r}, which is missing; write the "
-         f"tag of a checkpoint in {args.save_dir} to {latest}")
+         f"tag of a checkpoint in {source} to {latest}")
     run_file = os.path.join(folder, RUN_FILE)
     need(os.path.isfile(run_file), f"--resume: {folder} is incomplete (no {RUN_FILE}: its save was interrupted, or "
          f"an older train.py wrote it); write the tag of a complete checkpoint to {latest}")
@@ -74,77 +84,129 @@ def check_resume(args, cfg, world):
         actual = os.path.getsize(path)
         need(actual == size, f"--resume: checkpoint file {path} is damaged ({actual} bytes, written with {size}); "
              f"restore it or write the tag of another checkpoint to {latest}")
-    mismatch = resume_mismatch(saved, run_record(args, cfg, world), args)
-    need(mismatch is None, f"--resume: {folder} {mismatch}")
-    need(step < args.steps, f"--steps {args.steps}: the checkpoint is at step {step} already; pass --steps above "
-         f"{step} to train on")
-    return tag, saved
+    now = run_record(args, cfg, world)
+    if "micro_batch_size" not in saved:  # written before the record held them: the config it saved has them
+        saved.update(_batch_of_saved_config(folder))
+    refusal = resume_refusal(saved, now)
+    need(refusal is None, f"--resume: {folder} {refusal}")
+    changes = layout_changes(saved, now)
+    need(not changes or saved["zero_stage"] or saved.get("param_names"),
+         f"--resume: {folder} was written at ZeRO 0 without its parameters' names, so it resumes only under "
+         f"the layout that wrote it ({_flags_of(saved)}); resume there and save once, then change")
+    resave = step == args.steps and args.resume_from and args.save_dir and \
+        os.path.realpath(args.save_dir) != os.path.realpath(args.resume_from)
+    need(step < args.steps or resave, f"--steps {args.steps}: the checkpoint is at step {step} already; pass --steps "
+         f"above {step} to train on (or --resume-from it with --steps {step} and another --save-dir to save it "
+         f"under this layout)")
+    return tag, {**saved, "step": step}
 
 
-def resume_mismatch(saved, now, args):
-    """None when a run with record `now` may resume a checkpoint with record `saved`, else which
-    difference stops it and how to proceed."""
-    def schedule(record):
-        v = record.get("virtual_stages")
-        return f"--pipeline-schedule {record['schedule']}" + (f" --virtual-stages {v}" if v else "")
+def source_dir(args):
+    """The directory a resume reads: --resume-from's, else --save-dir."""
+    return args.resume_from or args.save_dir
 
-    def flags_of(record):
-        pp = record["pipeline_parallel_size"]
-        return f"--pipeline-parallel-size {pp}" + (f" {schedule(record)}" if pp else "")
 
-    pp = saved["pipeline_parallel_size"]
-    if now["pipeline_parallel_size"] != pp:
+def _batch_of_saved_config(folder):
+    import torch
+    path = os.path.join(folder, "mp_rank_00_model_states.pt")
+    config = torch.load(path, map_location="cpu", weights_only=False).get("ds_config", {}) if os.path.isfile(path) \
+        else {}
+    return {"micro_batch_size": config.get("train_micro_batch_size_per_gpu"),
+            "gradient_accumulation_steps": config.get("gradient_accumulation_steps")}
+
+
+def _schedule_flags(record):
+    v = record.get("virtual_stages")
+    return f"--pipeline-schedule {record['schedule']}" + (f" --virtual-stages {v}" if v else "")
+
+
+def _flags_of(record):
+    pp = record["pipeline_parallel_size"]
+    return f"--pipeline-parallel-size {pp}" + (f" {_schedule_flags(record)}" if pp else "")
+
+
+def _unsplit_model(record):
+    """The model a record describes, its head whole: a split head's slices are one layer."""
+    model = dict(record["model"])
+    if model.pop("vocab_parallel", False):
+        model["layers"] -= record["pipeline_parallel_size"] - 1
+    return model
+
+
+def resume_refusal(saved, now):
+    """None when a run with record `now` can continue a checkpoint with record `saved` (under any layout),
+    else what stops it and how to proceed: another model or optimizer, another order of the data."""
+    if now["pipeline_parallel_size"] != saved["pipeline_parallel_size"] and 0 in (
+            now["pipeline_parallel_size"], saved["pipeline_parallel_size"]):
+        pp = saved["pipeline_parallel_size"]
         return (f"was trained {'without a pipeline' if not pp else f'with {pp} pipeline stages'}: pass "
-                f"{flags_of(saved)}")
-    if now["data_parallel_size"] != saved["data_parallel_size"]:
-        return (f"was trained with {saved['data_parallel_size']} data-parallel replicas, this launch has "
-                f"{now['data_parallel_size']}: launch {saved['data_parallel_size'] * max(pp, 1)} processes")
-    if now["placement"] != saved["placement"]:
-        same = [name + (f" --virtual-stages {saved['virtual_stages']}" if name == saved["schedule"] and
-                        saved["virtual_stages"] else "")
-                for name in trainable_schedules()
-                if placement(_with_schedule(args, name, saved)) == saved["placement"]]
-        return (f"was trained with {schedule(saved)}, whose model stages sit elsewhere than with "
-                f"{schedule(now)}: resume with --pipeline-schedule {' or '.join(same)}")
-    split = saved["model"].get("vocab_parallel", False)
-    if now["model"].get("vocab_parallel", False) != split:
-        return (f"was trained with the vocabulary head {'split over the ranks' if split else 'whole'}: "
-                f"{'pass' if split else 'drop'} --vocab-parallel")
-    if now["model"] != saved["model"]:
+                f"{_flags_of(saved) if pp else '--pipeline-parallel-size 0'} (a pipeline and a non-pipelined model "
+                f"resume each other through --export only)")
+    if _unsplit_model(now) != _unsplit_model(saved):
         want = saved["model"]
         flags = (f"--model deep --deep-width {want['deep_width']} --deep-depth {want['deep_depth']}"
-                 if want["model"] == "deep" else f"--model-size {want['model_size']} (with {want['layers']} layers)")
+                 if want["model"] == "deep" else f"--model-size {want['model_size']} (with "
+                 f"{_unsplit_model(saved)['layers']} layers, the head whole)"
+                 + (f" --block-size {want['block_size']}" if want.get("block_size") else ""))
         return f"holds another model: pass {flags}"
-    for key, what, fix in (("partition_method", "--partition-method", "pass --partition-method {}"),
-                           ("zero_stage", "ZeRO stage", "set zero_optimization.stage {} in --deepspeed_config"),
-                           ("optimizer", "optimizer", "pass --optimizer {}")):
-        if now[key] != saved[key]:
-            value = saved[key].lower() if key == "optimizer" else saved[key]
-            return f"was trained with {what} {saved[key]}, this run uses {now[key]}: {fix.format(value)}"
-    if now["bf16"] != saved["bf16"]:
-        return "was trained in bf16: pass --bf16" if saved["bf16"] else "was trained in fp32: drop --bf16"
+    if now["optimizer"] != saved["optimizer"]:
+        return (f"was trained with optimizer {saved['optimizer']}, this run uses {now['optimizer']}: pass "
+                f"--optimizer {saved['optimizer'].lower()}")
+    mbs = saved.get("micro_batch_size")
+    if mbs is not None and now["micro_batch_size"] != mbs:
+        return (f"was trained on micro-batches of {mbs} sequences, this run uses {now['micro_batch_size']}: pass "
+                f"--micro-batch-size {mbs} (the data order is made of them)")
+    if mbs is not None:
+        batch = mbs * saved["gradient_accumulation_steps"] * saved["data_parallel_size"]
+        per_step = now["micro_batch_size"] * now["data_parallel_size"]
+        if now["gradient_accumulation_steps"] * per_step != batch:
+            fix = (f"pass --gradient-accumulation-steps {batch // per_step}" if batch % per_step == 0 else
+                   f"launch a data-parallel degree that divides {batch // mbs} micro-batches")
+            return (f"was trained on {batch} sequences per step, this run takes "
+                    f"{now['gradient_accumulation_steps'] * per_step}: {fix} (the same global batch, the same data)")
     return None
 
 
-def _with_schedule(args, name, saved):
-    v = saved.get("virtual_stages") if name == saved["schedule"] else None
-    return argparse.Namespace(**{**vars(args), "pipeline_schedule": name, "virtual_stages": v})
+def layout_changes(saved, now, cut=None):
+    """What differs between the layout a checkpoint was written under and this run's, in flags (empty: the
+    same layout, DeepSpeed's own files load). `cut`: this run's layer boundaries, against the saved ones."""
+    changes = []
+    for key, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
+                      ("data_parallel_size", "data-parallel degree"), ("zero_stage", "ZeRO stage")):
+        if now[key] != saved[key]:
+            changes.append(f"{flag} {saved[key]} -> {now[key]}")
+    if now["placement"] != saved["placement"] and _schedule_flags(now) != _schedule_flags(saved):
+        changes.append(f"{_schedule_flags(saved)} -> {_schedule_flags(now)}")
+    if now["model"].get("vocab_parallel", False) != saved["model"].get("vocab_parallel", False):
+        changes.append("--vocab-parallel " + ("on -> off" if saved["model"].get("vocab_parallel") else "off -> on"))
+    if now["bf16"] != saved["bf16"]:
+        changes.append("--bf16 " + ("on -> off" if saved["bf16"] else "off -> on"))
+    if cut is not None and saved.get("layer_cut") not in (None, list(cut)):
+        changes.append(f"layer cut {saved['layer_cut']} -> {list(cut)}")
+    elif saved.get("layer_cut") is None and now["partition_method"] != saved["partition_method"]:
+        changes.append(f"--partition-method {saved['partition_method']} -> {now['partition_method']}")
+    return changes
 
 
 def save_checkpoint(engine, args, record, step):
     """Every rank writes its files; then rank 0 lists them with their sizes in run.json and points
     `latest` at the folder. Both are replaced atomically, after all files exist: a crash mid-save
-    leaves `latest` on the previous, complete checkpoint."""
+    leaves `latest` on the previous, complete checkpoint. Each rank's file also names its parameters in
+    the optimizer's order (ZeRO 0 keeps its state by position), so that another layout can read them."""
     import torch.distributed as dist
     tag = f"global_step{step}"
     folder = os.path.join(args.save_dir, tag)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(folder, RUN_FILE)):
         os.remove(os.path.join(folder, RUN_FILE))  # re-saving a tag: incomplete until written again
-    engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step}, save_latest=False)  # ends in a barrier
+    names = [engine.param_names.get(p) for group in engine.optimizer.param_groups for p in group["params"]]
+    client_state = {"step": step, **({"param_names": names} if None not in names else {})}
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state, save_latest=False)  # ends in a barrier
     if dist.get_rank() == 0:
         files = {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
                  for d, _, names in sorted(os.walk(folder)) for f in sorted(names) if f != RUN_FILE}
-        _write_atomically(os.path.join(folder, RUN_FILE), json.dumps({**record, "step": step, "files": files}))
+        cut = {"layer_cut": list(engine.module.parts)} if args.pipeline_parallel_size else {}
+        _write_atomically(os.path.join(folder, RUN_FILE), json.dumps({**record, **cut, "param_names": True,
+                                                                      "step": step, "files": files}))
         _write_atomically(os.path.join(args.save_dir, "latest"), tag)
 
 
@@ -181,9 +243,56 @@ class NamedFiles:
                         "complete checkpoint") from None
 
 
-def load_checkpoint(engine, args, tag):
-    """Load checkpoint `tag` (validated) into the engine; the step it was saved at."""
-    path, client_state = engine.load_checkpoint(args.save_dir, tag=tag)
-    if path is None:
-        raise UsageError(f"--resume: DeepSpeed found no checkpoint {tag} in --save-dir {args.save_dir}")
-    return client_state["step"]
+def to_universal(folder, record=None):
+    """Write checkpoint folder `folder`'s universal layout into `<folder>/zero` (its record: run.json's)."""
+    from schedules.runtime import universal
+    if record is None:
+        with open(os.path.join(folder, RUN_FILE)) as f:
+            record = json.load(f)
+    pp = record["pipeline_parallel_size"]
+    slices = (record["model"]["layers"] - pp, pp) if record["model"].get("vocab_parallel") else None
+    return universal.convert(folder, slices=slices)
+
+
+def load_checkpoint(engine, args, tag, saved, now):
+    """Load checkpoint `tag` (validated, record `saved`) into the engine of a run with record `now`; the
+    step it was saved at. Under the layout that wrote it, DeepSpeed's own files; under another, the
+    universal layout (converted from them once, by rank 0, into `<tag>/zero`)."""
+    changes = layout_changes(saved, now, cut=engine.module.parts if args.pipeline_parallel_size else None)
+    if not changes:
+        path, client_state = engine.load_checkpoint(source_dir(args), tag=tag)
+        if path is None:
+            raise UsageError(f"--resume: DeepSpeed found no checkpoint {tag} in {source_dir(args)}")
+        return client_state["step"]
+    import torch
+    import torch.distributed as dist
+
+    from schedules.runtime import universal
+    folder = os.path.join(source_dir(args), tag)
+    if dist.get_rank() == 0:
+        print(f"resuming {tag} under another layout ({', '.join(changes)}): from its universal layout, "
+              f"{folder}/{universal.ZERO}", flush=True)
+    try:
+        if dist.get_rank() == 0 and not universal.is_converted(folder):
+            to_universal(folder, saved)
+        dist.barrier()
+        if now["schedule"] == "1f1b" and now["zero_stage"] >= 1:  # DeepSpeed's own engine reads it itself
+            engine._config.load_universal_checkpoint = True
+            try:
+                path, _ = engine.load_checkpoint(source_dir(args), tag=tag, load_lr_scheduler_states=False)
+            finally:
+                engine._config.load_universal_checkpoint = False
+            if path is None:
+                raise ValueError(f"DeepSpeed found no universal checkpoint {tag}")
+        else:
+            universal.load(engine, folder)
+        state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
+                           weights_only=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UsageError(f"--resume: cannot read {folder} under this layout ({one_line(e)}); resume with "
+                         f"{_flags_of(saved)}") from None
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
+    engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+    return saved["step"]

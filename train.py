@@ -87,7 +87,9 @@ def parse_args(argv=None):
     p.flag("--metrics-file", default=None, help="JSON lines written by rank 0, one object per step")
     p.flag("--save-dir", default=None, help="DeepSpeed checkpoint directory")
     p.flag("--save-interval", type=int, default=0, help="save every N steps (and at the end); 0 = at the end only")
-    p.flag("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    p.flag("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir (under any layout)")
+    p.flag("--resume-from", default=None, help="resume from the latest checkpoint in this directory; saves go to "
+           "--save-dir (with --steps at the checkpoint's step: save it under this run's layout, no training)")
     p.flag("--export", default=None, help="write the trained weights, keyed by layer index, to this .pt file")
     p.flag("--trace", default=None, help="write a Chrome trace (Perfetto) of the last --trace-steps steps here")
     p.flag("--trace-steps", type=int, default=3, help="how many of the last steps --trace records")
@@ -412,6 +414,8 @@ def train(args, trainer, start, progress, record):
                            "model": args.model, "vocab_parallel": bool(args.vocab_parallel)},
                      memory=args.trace_memory)
     step = start
+    if start == args.steps and args.save_dir:  # --resume-from at its step: the checkpoint under this layout
+        save_checkpoint(engine, args, record, start)
     while step < args.steps:
         count = interlocked_steps(args, step)
         with trace.step(step):
@@ -453,7 +457,7 @@ def main(argv=None):
     dp = world // max(args.pipeline_parallel_size, 1)
     cfg = ds_config(args, dp)
     validate(args, cfg, world, on_cpu)
-    resume = check_resume(args, cfg, world) if args.resume else None  # (tag, what it was trained with)
+    resume = check_resume(args, cfg, world) if args.resume or args.resume_from else None  # (tag, its record)
     import torch
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -468,7 +472,7 @@ def main(argv=None):
     record = run_record(args, cfg, world)
     engine, criterion = build_engine(args, cfg)
     trainer = Trainer(engine, criterion, batch_of, args, dp)
-    start = load_checkpoint(engine, args, resume[0]) if resume else 0
+    start = load_checkpoint(engine, args, *resume, record) if resume else 0
     train(args, trainer, start, Progress(args, rank, start), record)
     if args.export:
         export_weights(engine, args, args.export)

@@ -43,6 +43,8 @@ def validate(args, cfg, world: int, on_cpu: bool):
     need(not args.trace or pp, "--trace records pipeline schedules: it needs --pipeline-parallel-size >= 1")
     need(not args.trace_memory or args.trace, "--trace-memory counts memory in the traced steps: add --trace PATH")
     need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
+    need(not args.resume_from or os.path.isdir(args.resume_from),
+         f"--resume-from {args.resume_from}: no such directory; pass the --save-dir of the run to continue")
     if args.model == "gptlite":
         from gptlite import MODEL_SIZES
         need(args.model_size in MODEL_SIZES,

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from local_launch import ROOT, launch
+from local_launch import launch
 from training import TINY_CHUNKED, TOL, assert_one_error_line, run_in_process
 
 pytestmark = pytest.mark.multiprocess  # the fixture trains
@@ -61,19 +61,14 @@ def test_checkpoint_records_the_run(trained):
     assert not [p for p in folder.rglob("*.tmp")]
 
 
-# name: (world size, flags instead of 1F1B at 2 stages, what the line names)
+# name: (world size, flags instead of 1F1B at 2 stages, what the line names); another layout resumes
+# (tests/test_resume_anywhere.py), another model, optimizer or data order does not
 REFUSED = {
-    "another-schedule-family": (2, [*PP2, "--pipeline-schedule", "zb-v"],
-                                "--pipeline-schedule 1f1b or 1f1b-lean or zb-h1 or zb-h2"),
-    "interleaved": (2, [*PP2, "--pipeline-schedule", "interleaved"], "--pipeline-schedule 1f1b"),
-    "another-stage-count": (2, ["--pipeline-parallel-size", "1"], "--pipeline-parallel-size 2"),
     "no-pipeline": (1, ["--pipeline-parallel-size", "0"], "--pipeline-parallel-size 2"),
-    "more-data-parallel": (4, PP2, "launch 2 processes"),
+    "more-data-parallel": (4, PP2, "pass --gradient-accumulation-steps 2 (the same global batch"),
     "another-model-size": (2, [*PP2, "--model-size", "small"], "--model-size tiny"),
-    "another-depth": (2, [*PP2, "--n-layer", "8"], "--model-size tiny (with 9 layers)"),
-    "another-partition": (2, [*PP2, "--partition-method", "parameters"], "--partition-method uniform"),
+    "another-depth": (2, [*PP2, "--n-layer", "8"], "--model-size tiny (with 9 layers"),
     "another-optimizer": (2, [*PP2, "--optimizer", "sgd"], "--optimizer adamw"),
-    "another-zero-stage": (2, [*PP2, "--deepspeed_config", "{zero0}"], "zero_optimization.stage 1"),
     "already-at-steps": (2, [*PP2, "--steps", "2"], "--steps"),
 }
 
@@ -81,10 +76,6 @@ REFUSED = {
 @pytest.mark.parametrize("case", REFUSED)
 def test_resume_refuses_what_it_cannot_take(case, trained, tmp_path, monkeypatch, capsys):
     world, flags, expected = REFUSED[case]
-    zero0 = tmp_path / "zero0.json"
-    config = json.loads((ROOT / "ds_config.json").read_text())
-    zero0.write_text(json.dumps({**config, "zero_optimization": {"stage": 0}}))
-    flags = [f.format(zero0=zero0) for f in flags]
     steps = [] if "--steps" in flags else ["--steps", "3"]
     status, stderr, _ = run_in_process([*FLAGS, *flags, *steps, "--save-dir", trained[0], "--resume"],
                                        monkeypatch, capsys, world)

@@ -102,19 +102,20 @@ def test_schedules_that_cannot_split_the_head_are_refused(flags, expected, monke
     assert_one_error_line(status, stderr, expected)
 
 
-def test_resume_names_the_flag_when_the_head_changes():
-    import argparse
-
-    from checkpoints import resume_mismatch
+def test_a_resume_takes_the_head_split_or_whole():
+    """The split and the unsplit head are one model to a resume (tests/test_resume_anywhere.py moves them)."""
+    from checkpoints import layout_changes, resume_refusal
     record = {"pipeline_parallel_size": 2, "data_parallel_size": 1, "placement": "V", "schedule": "zb-v",
               "model": {"model": "gptlite", "model_size": "tiny", "layers": 8, "vocab_parallel": True},
               "partition_method": "parameters", "zero_stage": 1, "optimizer": "AdamW", "bf16": False}
     whole = {**record, "model": {**record["model"], "layers": 7, "vocab_parallel": False}}
-    args = argparse.Namespace()
-    assert resume_mismatch(record, whole, args) == "was trained with the vocabulary head split over the ranks: " \
-                                                   "pass --vocab-parallel"
-    assert resume_mismatch(whole, record, args) == "was trained with the vocabulary head whole: drop --vocab-parallel"
-    assert resume_mismatch(record, record, args) is None
+    assert resume_refusal(record, whole) is None and resume_refusal(whole, record) is None
+    assert layout_changes(record, whole) == ["--vocab-parallel on -> off"]
+    assert layout_changes(whole, record) == ["--vocab-parallel off -> on"]
+    assert layout_changes(record, record) == []
+    deeper = {**whole, "model": {**whole["model"], "layers": 8}}
+    assert resume_refusal(record, deeper) == "holds another model: pass --model-size tiny (with 7 layers, the head " \
+                                             "whole)"
 
 
 # --- real ranks ---------------------------------------------------------------------------------
