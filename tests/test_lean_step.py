@@ -1,13 +1,15 @@
-"""The lean end of our engines' step (schedules/runtime/lean_step.py): with ZeRO 0 and one data-parallel
-rank, ReduceGrads does no flatten / all-reduce / copy, and clipping uses the whole model's gradient norm,
-fused; what is trained stays the non-pipelined model's."""
+"""The lean end of our engines' step (schedules/runtime/lean_step.py): with one data-parallel rank, ReduceGrads
+does no flatten / all-reduce / copy (ZeRO 0, and ZeRO 1 in fp32, the shipped config, where it hands DeepSpeed's
+ZeRO-1 optimizer its gradients itself), weight gradients accumulate in place, and clipping uses the whole model's
+gradient norm; what is trained stays the non-pipelined model's."""
 import math
 
 import pytest
 import torch
 
+from local_launch import launch
 from schedules.runtime import lean_step
-from training import TINY_CHUNKED, assert_same_training, train
+from training import TINY, TINY_CHUNKED, assert_same_training, train
 
 
 def _params(*grads):
@@ -63,6 +65,7 @@ class _Engine:
     def __init__(self, zero=0, bf16=False, dp=1, moe=False, fp16=False, module=None):
         self._zero, self.using_bf16_optimizer, self.dp_world_size, self.has_moe_layers = zero, bf16, dp, moe
         self._fp16, self.module = fp16, module or torch.nn.Linear(2, 2)
+        self.optimizer = None  # not DeepSpeed's ZeRO-1 optimizer (tests below build the real one)
 
     def zero_optimization_stage(self):
         return self._zero
@@ -115,3 +118,49 @@ def test_zero_0_clipping_by_the_global_norm_matches_non_pipelined(schedule, sgd_
     assert_same_training(result, clipped)
     unclipped = references(4, TINY_CHUNKED, zero=0)
     assert max((clipped[2][k] - unclipped[2][k]).abs().max().item() for k in unclipped[2]) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself():
+    """ZeRO 1 in fp32 with one data-parallel rank (the shipped config's optimizer, clipping that bites): our
+    engine hands DeepSpeed's ZeRO-1 optimizer the gradients its reduction would (tests/zero1_probe.py), removes its
+    gradient hooks and accumulates in place. Three steps end with the same fp32 master weights and Adam moments,
+    bit for bit, as DeepSpeed's own reduction gives (with and without in-place accumulation), the same losses and
+    norm."""
+    run = launch(2, [], script="tests/zero1_probe.py", timeout=240)
+    assert run.ok, run.explain()
+    for out in run.stdout:
+        seen = __import__("json").loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        reference = seen["deepspeed"]
+        assert not reference["lean"] and not reference["in_place"] and reference["hooks"] > 0
+        assert seen["lean"]["lean"] and seen["lean"]["in_place"] and seen["lean"]["hooks"] == 0
+        assert seen["lean-not-in-place"]["lean"] and not seen["lean-not-in-place"]["in_place"]
+        assert reference["norm"] > 0.05  # the clipping bites
+        exact = seen["lean-not-in-place"]
+        assert exact["master_equal"] and exact["moments_equal"] and exact["losses"] == reference["losses"]
+        assert seen["lean"]["master_diff"] < 1e-6
+        assert seen["lean"]["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+        assert seen["lean"]["norm"] == pytest.approx(reference["norm"], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_zero_1_clipping_by_the_global_norm_matches_non_pipelined(sgd_config, references, tmp_path):
+    """ZeRO 1 (the shipped config's stage) with one data-parallel rank, clipping that bites: the lean hand-over and
+    in-place accumulation train as the non-pipelined ZeRO-1 run does, by the whole model's norm."""
+    result = train(tmp_path, 2, PP2 + ["--pipeline-schedule", "zb-h1"], sgd_config(zero=1, clip=0.05), 4,
+                   model=TINY_CHUNKED)
+    clipped = references(4, TINY_CHUNKED, clip=0.05, zero=1)
+    assert_same_training(result, clipped)
+    unclipped = references(4, TINY_CHUNKED, zero=1)
+    assert max((clipped[2][k] - unclipped[2][k]).abs().max().item() for k in unclipped[2]) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_the_shipped_config_accumulates_in_place_on_our_engines(tmp_path):
+    """train.py with ds_config.json as shipped (ZeRO 1, fp32, no --deepspeed_config) on one of our engines with one
+    data-parallel rank: every stage adds its weight gradients into .grad by their multiply."""
+    run = launch(2, [*TINY, *PP2, "--pipeline-schedule", "zb-h1", "--steps", "1", "--micro-batch-size", "2",
+                     "--dist-timeout", "120"], timeout=240)
+    assert run.ok, run.explain()
+    lines = [line for err in run.stderr for line in err.splitlines() if "deferrable to W passes" in line]
+    assert len(lines) == 2 and all("added into .grad by their multiply" in line for line in lines), lines

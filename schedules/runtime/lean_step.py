@@ -8,6 +8,15 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   over a group of one rank and copies it back: an exact no-op, tens of milliseconds. Here it only
   does what it has to: give a trainable parameter without a gradient a zero one (DeepSpeed does,
   so that the optimizer steps it as before).
+- The same at ZeRO 1 (the shipped config) with one data-parallel rank, in fp32 (`zero1_one_replica`):
+  DeepSpeed's ZeRO-1 optimizer has one partition then, the whole stage, and its reduction (a bucket of
+  5e8 elements per gradient hook, copies into it and into a contiguous buffer, an all-reduce over one
+  rank, a division by 1) hands its step each parameter's gradient unchanged. Here ReduceGrads hands them
+  over directly, as its own epilogue lists them (`zero1_gradients`), and the optimizer's per-parameter
+  gradient hooks, which only prepare that reduction, are removed (`release_zero1_hooks`), so that the
+  weight gradients accumulate in place as at ZeRO 0. The optimizer is DeepSpeed's, whole: its fp32
+  master partition and its state are what steps and what checkpoints hold; its step is step_targets.py's
+  ZeroStep, DeepSpeed's to the bit.
 - Gradient clipping with ZeRO 0 (fp32) takes one Python norm per parameter, a tensor per step, and
   counts only the parameters of model-parallel rank 0, which in a pipeline grid is the first stage:
   every stage clips by the first stage's norm, not the model's. Here the norm is the whole model's, as the
@@ -29,11 +38,13 @@ The step itself (clipping, and skipping a step whose global gradient norm is not
 stage) is interlock.py's (step_targets.py: at ZeRO 0 in fp32, and with DeepSpeed's BF16 and ZeRO-1
 optimizers): validated at once when steps are synchronised, later when they are interlocked.
 
-Everything else (the gradient reduction at ZeRO 1, in bf16 or with several replicas, fp16, MoE, additional
-losses) goes through DeepSpeed unchanged.
+Everything else (the gradient reduction in bf16 or with several replicas, fp16, MoE, additional losses, ZeRO 1
+with offload or an overlapped reduction) goes through DeepSpeed unchanged.
 """
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
 def needs_no_reduction(engine):
@@ -50,11 +61,59 @@ def zero0_fp32(engine):
             and not engine.fp16_enabled() and not engine.bfloat16_enabled())
 
 
+def plain_zero1(engine):
+    """DeepSpeed's ZeRO optimizer at stage 1 in fp32 with nothing that changes its step: no loss scale, offload,
+    Muon, experts, ZenFlow (step_targets.ZeroStep steps it, DeepSpeed's step to the bit)."""
+    opt = engine.optimizer
+    return (type(opt) is DeepSpeedZeroOptimizer and engine.zero_optimization_stage() == 1
+            and opt.dtype == torch.float32 and not opt.cpu_offload and not opt.partition_gradients
+            and opt.compute_grad_norm and opt.loss_scale == 1.0 and not opt.has_moe_layers
+            and not getattr(opt, 'zenflow', False) and not getattr(opt, 'torch_autocast_gradscaler', None)
+            and not any(opt._use_compact_grad_partition_buffer(i) or opt._muon_update_lacks_loss_scale(i)
+                        for i in range(len(opt.bit16_groups))))
+
+
+def zero1_one_replica(engine):
+    """ZeRO 1 in fp32 with one data-parallel rank (`plain_zero1`, its gradients accumulated in the weights' dtype,
+    no reduction overlapped with the backward): the optimizer's one partition is the whole stage, and its
+    reduction hands the step each parameter's gradient unchanged, so our engines hand them over themselves
+    (`zero1_gradients`) and accumulate them in place."""
+    opt = engine.optimizer
+    return (plain_zero1(engine) and engine.dp_world_size == 1 and not engine.has_moe_layers
+            and not opt.overlap_comm and not opt.use_grad_accum_attribute
+            and 'muon' not in type(opt.optimizer).__name__.lower())
+
+
+def release_zero1_hooks(opt):
+    """Remove the per-parameter gradient hooks of DeepSpeed's ZeRO-1 optimizer (`zero1_one_replica`): at stage 1
+    without an overlapped reduction they only prepare the reduction's bucket (a 5e8-element buffer per call),
+    which `zero1_gradients` does without."""
+    for handle in opt._grad_acc_hooks:
+        handle.remove()
+    opt._grad_acc_hooks.clear()
+
+
+def zero1_gradients(opt):
+    """What DeepSpeed's ZeRO-1 reduction (0.19.8) hands its step with one data-parallel rank, without the
+    reduction: per group, `averaged_gradients`, listed by its own epilogue (`get_flat_partition`) from each
+    parameter's gradient (zeros for one without, the partition's padding)."""
+    device = get_accelerator().current_device_name()
+    for i in range(len(opt.bit16_groups)):
+        params = opt.params_in_partition[i]
+        opt.all_grad_tensors[i] = opt.get_all_grad_tensors(params, dtype=opt.gradient_accumulation_dtype)
+        opt.averaged_gradients[i] = opt.get_flat_partition(params, opt.first_offset[i], opt.partition_size[i],
+                                                           dtype=opt.gradient_accumulation_dtype, device=device,
+                                                           param_group_idx=i, return_tensor_list=True)
+        opt.all_grad_tensors[i] = None
+
+
 def accumulates_in_place(engine):
     """True when weight gradients may be added into `.grad` by their own multiply (weight_grad.accumulate_in_place):
-    ZeRO 0 in fp32 and no hook on any parameter."""
-    return zero0_fp32(engine) and not any(p._backward_hooks or getattr(p, '_post_accumulate_grad_hooks', None)
-                                          for p in engine.module.parameters())
+    ZeRO 0 in fp32, or ZeRO 1 in fp32 with one data-parallel rank (its hooks released), and no hook on any
+    parameter."""
+    return ((zero0_fp32(engine) or zero1_one_replica(engine))
+            and not any(p._backward_hooks or getattr(p, '_post_accumulate_grad_hooks', None)
+                        for p in engine.module.parameters()))
 
 
 def zero_missing_grads(module):
@@ -159,7 +218,22 @@ class LeanStep:
             average /= self.dp_world_size
         return average.float()
 
+    def _lean_zero1(self):
+        """Whether ReduceGrads hands DeepSpeed's ZeRO-1 optimizer its gradients itself (`zero1_one_replica`);
+        decided once, when the engine is built (`_take_zero1_over`)."""
+        return getattr(self, '_zero1_taken_over', False)
+
+    def _take_zero1_over(self):
+        """Called once the optimizer is built: with ZeRO 1 in fp32 and one data-parallel rank, its gradient
+        hooks go, and ReduceGrads lists its gradients for it (`zero1_gradients`)."""
+        self._zero1_taken_over = zero1_one_replica(self)
+        if self._zero1_taken_over:
+            release_zero1_hooks(self.optimizer)
+
     def _exec_reduce_grads(self):
+        if self._lean_zero1():
+            zero1_gradients(self.optimizer)
+            return
         if not needs_no_reduction(self):
             return super()._exec_reduce_grads()
         zero_missing_grads(self.module)

@@ -14,9 +14,9 @@ Extends DeepSpeed by subclassing only: `_INSTRUCTION_MAP` is the stock map plus
   order the step's own instruction stream gives (receive_ahead.py), so an early send
   is not held up waiting for its receiver.
 
-With ZeRO 0 in fp32, weight gradients are added into `.grad` by their own multiply (weight_grad.py's
-`accumulate_in_place`), in B, W and fused backwards alike, and a step's first one is written into the
-last step's gradient tensor (`spare_grads`).
+With ZeRO 0 in fp32, and ZeRO 1 in fp32 with one data-parallel rank (the shipped config), weight gradients
+are added into `.grad` by their own multiply (weight_grad.py's `accumulate_in_place`), in B, W and fused
+backwards alike, and a step's first one is written into the last step's gradient tensor (`spare_grads`).
 
 The step's end skips what one data-parallel rank does not need and clips by the whole model's
 gradient norm, fused (lean_step.py); `train_batches` runs several steps back to back, the step
@@ -56,6 +56,7 @@ class SplitBackwardEngine(Interlock, LeanStep, PipelineEngine):
                                    same_spec=not self.module.dynamic_shape)
         self._schedule_key, self._schedule = None, None  # the training schedule, kept while its shape holds
         self._receive_plan = (None, [])                    # (schedule, its receives) of the last step
+        self._take_zero1_over()                            # ZeRO 1, one replica: its gradients handed over here
         self._in_place = accumulates_in_place(self)        # weight gradients added into .grad by their multiply
 
     def _train_schedule(self):

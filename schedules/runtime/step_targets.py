@@ -30,7 +30,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_model_parallel_
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from schedules.runtime.lean_step import clip_coefficient, squared_grad_norm, zero0_fp32
+from schedules.runtime.lean_step import clip_coefficient, plain_zero1, squared_grad_norm, zero0_fp32
 from schedules.runtime.weight_grad import keep_spare_grads
 
 
@@ -215,13 +215,7 @@ class ZeroStep(_PartitionedStep):
     @staticmethod
     def takes(engine):
         """Stage 1 in fp32 with nothing that changes the step: no loss scale, offload, Muon, experts, ZenFlow."""
-        opt = engine.optimizer
-        return (engine.zero_optimization_stage() == 1 and opt.dtype == torch.float32 and not opt.cpu_offload
-                and not opt.partition_gradients and opt.compute_grad_norm and opt.loss_scale == 1.0
-                and not opt.has_moe_layers and not getattr(opt, 'zenflow', False)
-                and not getattr(opt, 'torch_autocast_gradscaler', None)
-                and not any(opt._use_compact_grad_partition_buffer(i) or opt._muon_update_lacks_loss_scale(i)
-                            for i in range(len(opt.bit16_groups))))
+        return plain_zero1(engine)
 
     def __init__(self, engine):
         self.engine, self.opt = engine, engine.optimizer
@@ -250,9 +244,12 @@ class ZeroStep(_PartitionedStep):
         opt = self.opt
         squares = torch.stack([self._partition_squares(opt.averaged_gradients[i], opt.params_in_partition[i])
                                for i in range(len(opt.bit16_groups))])
-        dist.all_reduce(squares, group=opt.dp_process_group)
+        if dist.get_world_size(group=opt.dp_process_group) > 1:  # (over one rank: the same tensor)
+            dist.all_reduce(squares, group=opt.dp_process_group)
         self._grads = []
         for i in range(len(opt.bit16_groups)):
+            # gradients accumulated in place (one data-parallel rank): the next step's first written into them
+            keep_spare_grads((p, p.grad) for p in opt.params_in_partition[i])
             opt.free_grad_in_param_list(opt.params_not_in_partition[i])
             partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
             if partition_id == dist.get_world_size(group=opt.real_dp_process_group[i]) - 1:
