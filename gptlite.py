@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
-from schedules.runtime.vocab_parallel import VocabSlice, refusal, vocab_parallel_loss
+from schedules.runtime.vocab_parallel import VocabSlice, refusal, slice_layout, vocab_parallel_loss
 from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
 
 
@@ -122,21 +122,27 @@ class LMHead(Linear):
 
 class LMHeadSlice(VocabSlice):
     """Rows of the vocabulary head for a split head (`vocab_parts` > 1): built under the head's own seed,
-    it takes its rows of the head GPTlite would build, so split and unsplit models start identical."""
+    it takes its rows of the head GPTlite would build, so split and unsplit models start identical.
+    `recompute`, `rows`: VocabSlice's (schedules.runtime.vocab_parallel.slice_layout)."""
 
-    def __init__(self, config: GPTliteConfig, part: int, parts: int):
-        super().__init__(config.n_embd, config.vocab_size, part, parts, weight=LMHead(config).weight)
+    def __init__(self, config: GPTliteConfig, part: int, parts: int, recompute: float = 0.0, rows=None):
+        super().__init__(config.n_embd, config.vocab_size, part, parts, weight=LMHead(config).weight,
+                         recompute=recompute, rows=rows)
 
 
-def layer_specs(config: GPTliteConfig, vocab_parts: int = 1):
+def layer_specs(config: GPTliteConfig, vocab_parts: int = 1, vocab_recompute: bool = True):
     """(class, args) of every layer in forward order: the one description of the layer list. With
     `vocab_parts` > 1 the head is that many slices (layer indices head .. head + vocab_parts - 1), each
-    drawn from the head's seed."""
+    drawn from the head's seed, laid out by `slice_layout`: all but the last recompute most of their logits in
+    their backward and hold fewer rows, evening out the ranks' activation memory (`vocab_recompute=False`:
+    even slices that keep their logits)."""
     trunk = ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
              [(nn.LayerNorm, (config.n_embd, ))])
     if vocab_parts <= 1:
         return trunk + [(LMHead, (config, ))]
-    return trunk + [(LMHeadSlice, (config, k, vocab_parts), len(trunk)) for k in range(vocab_parts)]
+    rows, recompute = slice_layout(config.vocab_size, vocab_parts, recompute=vocab_recompute)
+    return trunk + [(LMHeadSlice, (config, k, vocab_parts, recompute[k], tuple(rows)), len(trunk))
+                    for k in range(vocab_parts)]
 
 
 class GPTlite(nn.Module):

@@ -2,7 +2,8 @@
 `python tests/vocab_parallel_probe.py SCHEDULE...`, run on p ranks by tests/test_vocab_parallel.py.
 
 The model is written as a DeepSpeed user writes one: a LayerSpec list of torch.nn layers (an embedding,
-blocks of plain nn.Linear, a LayerNorm) ending in p `VocabSlice`s, with
+blocks of plain nn.Linear, a LayerNorm) ending in p `VocabSlice`s laid out by `slice_layout` (uneven rows, all
+but the last recomputing most of their logits in their backward), with
 `schedules.vocab_parallel_loss` as its loss and `schedules.with_labels` micro-batches. The reference is
 the same model unsplit, in one process: its head one nn.Linear holding the slices' initial rows, its loss
 torch's cross-entropy over the whole vocabulary. After two plain-SGD steps rank 0 prints one JSON line per
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec
 
 import schedules
-from schedules.runtime.vocab_parallel import VocabSlice, merge_slices, vocab_parallel_loss, with_labels
+from schedules.runtime.vocab_parallel import VocabSlice, merge_slices, slice_layout, vocab_parallel_loss, with_labels
 from user_models import Block  # GELU(Linear(x)) + x: a plain nn.Linear in a user's own block
 
 WIDTH, VOCAB, TOKENS, MICRO_BATCH, LR, SEED = 16, 37, 5, 2, 0.5, 1234  # 37 rows: slices of unequal size
@@ -32,7 +33,9 @@ def trunk_specs():
 
 
 def layer_specs(parts):
-    return trunk_specs() + [LayerSpec(VocabSlice, WIDTH, VOCAB, k, parts) for k in range(parts)]
+    rows, recompute = slice_layout(VOCAB, parts)
+    return trunk_specs() + [LayerSpec(VocabSlice, WIDTH, VOCAB, k, parts, recompute=recompute[k], rows=rows)
+                            for k in range(parts)]
 
 
 def batch(index):

@@ -20,32 +20,90 @@ by every rank. The pipeline module (pipe_module.py) gives each slice a model sta
 layers before them (the trunk) over the other stages, and carries the labels from the first stage to
 the slices: the pipeline's inputs are `(inputs, labels)` (`with_labels`), and the trunk's layers never
 see the labels.
+
+Memory. A slice keeps what its backward needs from its forward until the slices after it have answered, so
+in a pipeline slice k holds about p - k micro-batches at once (the first the most, the last one) where a
+rank's other stages hold theirs too. `slice_layout` evens the ranks out: every slice but the last computes
+most of its logits again in its backward instead of keeping them (`VocabSlice(recompute=...)`), and gets
+fewer rows for that extra work, so that each slice's peak and its time come out alike
+(docs/vocab-parallel.md#memory).
 """
 import torch
+import torch.nn.functional as F
 
 from schedules.registry import splitting_schedules
-from schedules.runtime.weight_grad import Linear
+from schedules.runtime import weight_grad
+from schedules.runtime.weight_grad import Linear, _first_grad, defer_or_compute
 
 
-def vocab_bounds(vocab_size, part, parts):
-    """[start, stop) of the vocabulary rows slice `part` of `parts` holds (sizes differ by at most one)."""
+def vocab_bounds(vocab_size, part, parts, rows=None):
+    """[start, stop) of the vocabulary rows slice `part` of `parts` holds: an even split (sizes differ by at most
+    one), or `rows`, every slice's row count in order (summing to `vocab_size`, see `vocab_rows`)."""
     if not 0 <= part < parts:
         raise ValueError(f"slice {part} of {parts}: needs 0 <= part < parts")
+    if rows is not None:
+        rows = [int(n) for n in rows]
+        if len(rows) != parts or sum(rows) != vocab_size or min(rows) < 1:
+            raise ValueError(f"rows {rows}: needs {parts} positive row counts summing to the vocabulary's "
+                             f"{vocab_size}")
+        start = sum(rows[:part])
+        return start, start + rows[part]
     base, extra = divmod(vocab_size, parts)
     start = part * base + min(part, extra)
     return start, start + base + (part < extra)
 
 
+def vocab_rows(vocab_size, shares):
+    """Row counts proportional to `shares` (one per slice), summing to `vocab_size` (largest remainders)."""
+    total = float(sum(shares))
+    exact = [vocab_size * s / total for s in shares]
+    rows = [int(x) for x in exact]
+    for i in sorted(range(len(rows)), key=lambda i: rows[i] - exact[i])[:vocab_size - sum(rows)]:
+        rows[i] += 1
+    return rows
+
+
+RECOMPUTE_COST = 0.45  # a recomputed row's extra backward time over a kept row's forward + backward + W (measured:
+# GPTlite small's slices, 128 wide, 256 tokens, one CPU thread; the recompute is one more projection and exponential)
+
+
+def slice_layout(vocab_size, parts, recompute=True, cost=RECOMPUTE_COST, in_flight=None):
+    """(rows, recompute) of the `parts` slices: each slice's row count and the share of its rows that its backward
+    recomputes (`VocabSlice`'s `rows` and `recompute`).
+
+    Slice k keeps what it keeps of a micro-batch until the slices after it answer: n_k micro-batches at once
+    (`in_flight`, default p - k, as on ZB-V and DualPipeV), plus during its backward the logits it recomputes. Of
+    r rows with a share q recomputed it holds at most r (n_k (1 - q) + q) rows' worth of logits and works
+    r (1 + cost q) rows' worth of time (`cost`: RECOMPUTE_COST). q_k = (n_k - 1) / (n_k - 1 + cost) makes the
+    two factors equal, n_k (1 - q) + q = 1 + cost q, and rows in proportion to 1 / (1 + cost q_k) then give
+    every slice the same peak (one micro-batch of the last slice's rows) and the same time. The last slice
+    (n = 1) keeps all of its logits: it gets the most rows. `recompute=False`: an even split, nothing recomputed."""
+    if not recompute:
+        return vocab_rows(vocab_size, [1] * parts), [0.0] * parts
+    n = list(in_flight) if in_flight is not None else [parts - k for k in range(parts)]
+    if len(n) != parts or min(n) < 1:
+        raise ValueError(f"in_flight {n}: one count >= 1 per slice")
+    q = [(nk - 1) / (nk - 1 + cost) if nk > 1 else 0.0 for nk in n]
+    return vocab_rows(vocab_size, [1 / (1 + cost * qk) for qk in q]), q
+
+
 class VocabSlice(Linear):
     """Rows [start, stop) of a `vocab_size` x `width` output head (no bias): one pipeline layer of the split
-    head. Its weight gradients can be deferred to W passes (it is this package's deferrable Linear).
+    head. Its weight gradient can be deferred to a W pass, as this package's deferrable Linear's.
 
     `weight`: the full head's (vocab_size, width) weight to take the rows from, e.g. an unsplit model's
-    initial head, so the split model starts identical to it."""
+    initial head, so the split model starts identical to it. `rows`: every slice's row count (`vocab_bounds`),
+    else an even split. `recompute`: the share of the slice's rows (its last ones) whose logits its backward
+    computes again from its input instead of keeping them from the forward (0: keep all, 1: recompute all;
+    `slice_layout` chooses it per slice); kept, the logits cost one tensor of their size per micro-batch from the
+    forward to the backward, recomputed a matrix multiply and an exponential more in the backward."""
 
-    def __init__(self, width, vocab_size, part, parts, weight=None):
+    def __init__(self, width, vocab_size, part, parts, weight=None, recompute=0.0, rows=None):
         self.vocab_size, self.part, self.parts = vocab_size, part, parts
-        self.start, self.stop = vocab_bounds(vocab_size, part, parts)
+        self.start, self.stop = vocab_bounds(vocab_size, part, parts, rows)
+        if not 0.0 <= float(recompute) <= 1.0:
+            raise ValueError(f"VocabSlice: recompute {recompute}: a share of the slice's rows, 0 to 1")
+        self.recomputed = round(float(recompute) * (self.stop - self.start))  # rows whose logits B computes again
         super().__init__(width, self.stop - self.start, bias=False)
         if weight is not None:
             if tuple(weight.shape) != (vocab_size, width):
@@ -60,40 +118,135 @@ class VocabSlice(Linear):
                             "labels) from the slice before; its pipeline's inputs must be (inputs, labels): see "
                             "schedules.vocab_parallel.with_labels")
         hidden, *carry, labels = state
-        logits = super().forward(hidden).float()  # the softmax in fp32, as for an unsplit head
-        lse, z = _LogSumExpAndTarget.apply(logits, labels - self.start)
+        kept = self.stop - self.start - self.recomputed
+        lse, z = _SliceHead.apply(hidden, self.weight, labels - self.start, kept)
         if carry:
             lse, z = torch.logaddexp(carry[0], lse), carry[1] + z
         return hidden, lse, z, labels
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, rows {self.start}:{self.stop} (slice {self.part} of {self.parts})"
+        recomputed = f", {self.recomputed} recomputed in the backward" if self.recomputed else ""
+        return f"{super().extra_repr()}, rows {self.start}:{self.stop} (slice {self.part} of {self.parts}){recomputed}"
 
 
-class _LogSumExpAndTarget(torch.autograd.Function):
-    """(log-sum-exp of each row of `logits`, the logit at column `target` where 0 <= target < columns, else 0),
-    keeping one tensor the size of the logits for the backward: exp(logits - max), whose rows scaled by the
-    incoming gradient over their sum are the gradient (torch.logsumexp keeps its input and recomputes the
-    exponentials, in more passes over the slice's logits, the largest tensor of the head)."""
+def _statistics(logits, target):
+    """Of a block of fp32 logits (turned in place into exp(logits - top)) and each token's target column in it:
+    (top, exp, log-sum-exp, the target's logit where 0 <= target < columns, else 0)."""
+    inside = (target >= 0) & (target < logits.shape[-1])
+    z = logits.gather(-1, target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
+    top = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(top).exp_()
+    top = top.squeeze(-1)
+    return top, exp, top + exp.sum(dim=-1).log(), z
+
+
+def _add_target(grad, target, grad_z):
+    """grad[token, target] += grad_z[token] where the target falls in this block of columns."""
+    inside = (target >= 0) & (target < grad.shape[-1])
+    grad.scatter_add_(-1, target.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_z.masked_fill(~inside, 0.0)
+                      .unsqueeze(-1))
+
+
+class _SliceHead(torch.autograd.Function):
+    """(log-sum-exp of each row of hidden @ weight^T, the logit at column `target` where it falls in the slice,
+    else 0): a slice's projection and statistics in fp32, its gradient exact by hand.
+
+    Of the first `kept` rows the forward keeps exp(logits - max) for the backward (one tensor of their logits'
+    size), which the backward turns in place into their gradient, softmax x the incoming gradient (+ the target's):
+    torch.logsumexp would keep the logits and compute the exponentials again. Of the other rows it keeps nothing
+    but its input and the per-token log-sum-exp: the backward computes their logits again (one multiply and an
+    exponential more), held for that time only, and memory trackers are told of that tensor (`_holding`), as of
+    what a deferred weight gradient keeps. The weight's gradient goes to the W pass as the deferrable Linear's
+    (the logits' gradient kept until W runs), or is computed at once outside a deferring backward."""
 
     @staticmethod
-    def forward(ctx, logits, target):
-        inside = (target >= 0) & (target < logits.shape[-1])
-        index = target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        z = logits.detach().gather(-1, index).squeeze(-1).masked_fill_(~inside, 0.0)
-        top = logits.detach().amax(dim=-1, keepdim=True)
-        # in place: the logits are this function's alone (the projection's backward keeps its input and weight)
-        exp = logits.detach().sub_(top).exp_()
-        total = exp.sum(dim=-1)
-        ctx.save_for_backward(exp, total, index, inside)
-        return top.squeeze(-1) + total.log(), z
+    def forward(ctx, hidden, weight, target, kept):
+        stats = []
+        for rows, offset, keep in ((weight[:kept], 0, True), (weight[kept:], kept, False)):
+            if rows.shape[0]:
+                top, exp, lse, z = _statistics(F.linear(hidden, rows).float(), target - offset)
+                stats.append((top if keep else None, exp if keep else None, lse, z))
+        lse = stats[0][2] if len(stats) == 1 else torch.logaddexp(stats[0][2], stats[1][2])
+        z = stats[0][3] if len(stats) == 1 else stats[0][3] + stats[1][3]
+        top, exp = (stats[0][0], stats[0][1]) if kept else (None, None)
+        ctx.kept, ctx.done = kept, False
+        ctx.save_for_backward(hidden, weight, target, lse, top, exp)
+        return lse, z
 
     @staticmethod
     def backward(ctx, grad_lse, grad_z):
-        exp, total, index, inside = ctx.saved_tensors
-        grad = exp * (grad_lse / total).unsqueeze(-1)
-        grad.scatter_add_(-1, index, grad_z.masked_fill(~inside, 0.0).unsqueeze(-1))
-        return grad, None
+        if ctx.done:
+            raise RuntimeError("a VocabSlice's backward ran twice over one forward (retain_graph): its backward turns "
+                               "what it kept into the gradient in place")
+        ctx.done = True
+        hidden, weight, target, lse, top, exp = ctx.saved_tensors
+        kept, blocks, held = ctx.kept, [], []
+        if kept:  # exp(logits - top) * exp(top - lse) is the softmax over the slice's rows
+            grad = exp.mul_((grad_lse * (top - lse).exp()).unsqueeze(-1))
+            _add_target(grad, target, grad_z)
+            blocks.append((0, kept, grad))
+        if kept < weight.shape[0]:
+            grad = _recomputed_softmax(hidden, weight[kept:], lse, grad_lse)
+            held = _holding(grad)
+            _add_target(grad, target - kept, grad_z)
+            blocks.append((kept, weight.shape[0], grad))
+        blocks = [(a, b, g.to(hidden.dtype)) for a, b, g in blocks]
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            for a, b, g in blocks:
+                part = g @ weight[a:b]
+                grad_hidden = part if grad_hidden is None else grad_hidden.add_(part)
+        grads = {}
+        if ctx.needs_input_grad[1]:
+            grads = defer_or_compute(_DeferredSliceGrad(weight, hidden, blocks), hidden, *(g for *_, g in blocks))
+        del held
+        return grad_hidden, grads.get(id(weight)), None, None
+
+
+def _recomputed_softmax(hidden, rows, lse, grad_lse):
+    """exp(hidden @ rows^T - lse) * grad_lse per token, in fp32: the logits computed again, turned into their
+    softmax times the incoming gradient. In fp32 with a positive incoming gradient (a loss's) the shift
+    lse - log(grad_lse) rides in the multiply (addmm) and one exponential pass follows; else three passes."""
+    if hidden.dtype == torch.float32 and bool((grad_lse > 0).all()):
+        shift = (grad_lse.log() - lse).reshape(-1, 1)
+        out = torch.addmm(shift, hidden.reshape(-1, hidden.shape[-1]), rows.t()).exp_()
+        return out.view(*lse.shape, rows.shape[0])
+    return F.linear(hidden, rows).float().sub_(lse.unsqueeze(-1)).exp_().mul_(grad_lse.unsqueeze(-1))
+
+
+class _DeferredSliceGrad:
+    """A slice's weight-gradient work for one micro-batch (weight_grad.defer_or_compute): the gradient of its
+    rows a..b is g^T @ x for each block (a, b, g) of its logits' gradient."""
+    __slots__ = ('weight', 'x', 'blocks', '_tokens')
+
+    def __init__(self, weight, x, blocks):
+        self.weight, self.x, self.blocks, self._tokens = weight, x, blocks, None
+
+    def _into(self, out):
+        x = self.x.reshape(-1, self.x.shape[-1])
+        out = torch.empty_like(self.weight) if out is None else out
+        for a, b, g in self.blocks:
+            torch.mm(g.reshape(-1, b - a).t(), x, out=out[a:b])
+        return out
+
+    def gradients(self):
+        return [(self.weight, lambda: self._into(None))]
+
+    def accumulate(self):
+        weight = self.weight
+        if weight.grad is None:
+            _first_grad(weight, self._into)
+            return
+        x = self.x.reshape(-1, self.x.shape[-1])
+        for a, b, g in self.blocks:
+            weight.grad[a:b].addmm_(g.reshape(-1, b - a).t(), x)
+
+
+def _holding(tensor):
+    """Tokens that make the memory trackers (schedules/observe/memory.py) count `tensor` as held until they are
+    dropped, as they count what a deferred weight gradient keeps: a slice's logits computed again in its backward
+    are activation memory too."""
+    return [holder.hold(tensor) for holder in weight_grad._holders]
 
 
 def vocab_parallel_loss(outputs, labels=None):
