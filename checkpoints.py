@@ -243,15 +243,19 @@ class NamedFiles:
                         "complete checkpoint") from None
 
 
-def to_universal(folder, record=None):
-    """Write checkpoint folder `folder`'s universal layout into `<folder>/zero` (its record: run.json's)."""
+def to_universal(folder, record=None, out=None):
+    """Write checkpoint folder `folder`'s universal layout into `out` (default `<folder>/zero`); the names
+    written. `record`: what the run wrote in run.json (read here if None; a checkpoint without one, e.g.
+    written by another DeepSpeed program, converts as it is, with no split head to merge)."""
     from schedules.runtime import universal
-    if record is None:
+    if record is None and os.path.isfile(os.path.join(folder, RUN_FILE)):
         with open(os.path.join(folder, RUN_FILE)) as f:
             record = json.load(f)
-    pp = record["pipeline_parallel_size"]
-    slices = (record["model"]["layers"] - pp, pp) if record["model"].get("vocab_parallel") else None
-    return universal.convert(folder, slices=slices)
+    slices = None
+    if record and record["model"].get("vocab_parallel"):
+        pp = record["pipeline_parallel_size"]
+        slices = (record["model"]["layers"] - pp, pp)
+    return universal.convert(folder, slices=slices, out=out)
 
 
 def load_checkpoint(engine, args, tag, saved, now):
@@ -296,3 +300,17 @@ def load_checkpoint(engine, args, tag, saved, now):
     engine.global_steps, engine.skipped_steps = state["global_steps"], state["skipped_steps"]
     engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
     return saved["step"]
+
+
+def init_from(engine, args):
+    """The weights --export wrote (keyed by the unsplit layer list's names), into this run's layout."""
+    import torch
+
+    from schedules.runtime import universal
+    try:
+        weights = torch.load(args.init_from, map_location="cpu", weights_only=True)
+        layers = None if args.pipeline_parallel_size else engine.module.to_layers()
+        universal.load_weights(engine, weights, layers)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UsageError(f"--init-from {args.init_from}: {one_line(e)}; pass weights --export wrote for this model") \
+            from None

@@ -23,7 +23,7 @@ import sys
 import time
 
 import planning
-from checkpoints import NamedFiles, check_resume, load_checkpoint, run_record, save_checkpoint
+from checkpoints import NamedFiles, check_resume, init_from, load_checkpoint, run_record, save_checkpoint
 from faults import Fault, Peers, UsageError, one_line
 from validation import validate
 
@@ -91,6 +91,7 @@ def parse_args(argv=None):
     p.flag("--resume-from", default=None, help="resume from the latest checkpoint in this directory; saves go to "
            "--save-dir (with --steps at the checkpoint's step: save it under this run's layout, no training)")
     p.flag("--export", default=None, help="write the trained weights, keyed by layer index, to this .pt file")
+    p.flag("--init-from", default=None, help="start from weights --export wrote (under any layout), a fresh optimizer")
     p.flag("--trace", default=None, help="write a Chrome trace (Perfetto) of the last --trace-steps steps here")
     p.flag("--trace-steps", type=int, default=3, help="how many of the last steps --trace records")
     p.flag("--trace-memory", action="store_true",
@@ -473,6 +474,8 @@ def main(argv=None):
     engine, criterion = build_engine(args, cfg)
     trainer = Trainer(engine, criterion, batch_of, args, dp)
     start = load_checkpoint(engine, args, *resume, record) if resume else 0
+    if args.init_from:
+        init_from(engine, args)
     train(args, trainer, start, Progress(args, rank, start), record)
     if args.export:
         export_weights(engine, args, args.export)

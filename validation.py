@@ -45,6 +45,10 @@ def validate(args, cfg, world: int, on_cpu: bool):
     need(not args.resume or args.save_dir, "--resume needs --save-dir DIR (the checkpoint directory to resume from)")
     need(not args.resume_from or os.path.isdir(args.resume_from),
          f"--resume-from {args.resume_from}: no such directory; pass the --save-dir of the run to continue")
+    need(not args.init_from or os.path.isfile(args.init_from),
+         f"--init-from {args.init_from}: no such file; pass a file --export wrote")
+    need(not (args.init_from and (args.resume or args.resume_from)), "--init-from starts a run from exported weights, "
+         "--resume continues a checkpoint (weights and optimizer): pass one of them")
     if args.model == "gptlite":
         from gptlite import MODEL_SIZES
         need(args.model_size in MODEL_SIZES,

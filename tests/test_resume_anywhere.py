@@ -11,7 +11,8 @@ fp32 <-> bf16 and the vocabulary head split <-> whole. Every checkpoint of the c
 universal layout, holds exactly the first one's weights, Adam moments, step count, learning-rate
 schedule and optimizer hyperparameters (the round trip: state equality, as Megatron proves its
 resharding). Then losses: a checkpoint of the chain resumed under the layout that wrote the first
-trains on bit for bit as the uninterrupted run; under other layouts, within 1e-5 relative.
+trains on bit for bit as the uninterrupted run; under other layouts, within 1e-5 relative. The weights
+`--export` wrote start a run under any layout (`--init-from`), and come out the same.
 """
 import json
 import os
@@ -58,7 +59,7 @@ def config(folder, stage):
 
 
 def losses(path):
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+    return [entry["loss"] for entry in map(json.loads, path.read_text().splitlines()) if "loss" in entry]
 
 
 def universal_state(folder):
@@ -79,7 +80,8 @@ def chain(tmp_path_factory):
     """The first run (3 steps, saved after each) and the chain of re-saved step-1 checkpoints."""
     root = tmp_path_factory.mktemp("anywhere")
     run = launch(2, [*FLAGS, *FIRST, "--steps", "3", "--save-dir", root / "first", "--save-interval", "1",
-                     "--metrics-file", root / "first.jsonl"], timeout=240)
+                     "--metrics-file", root / "first.jsonl", "--export", root / "first.pt", "--eval-interval", "3"],
+                 timeout=240)
     assert run.ok, run.explain()
     source = root / "step1"
     shutil.copytree(root / "first", source)
@@ -172,3 +174,38 @@ def test_zero0_checkpoints_of_older_runs_name_the_layout_that_reads_them(chain, 
     assert_one_error_line(status, stderr, "resumes only under the layout that wrote it "
                                           "(--pipeline-parallel-size 2 --pipeline-schedule zb-v)")
     assert os.path.exists(old / "global_step1" / "run.json")
+
+
+@pytest.mark.parametrize("ranks, flags", [
+    (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--vocab-parallel", *GAS]),
+    (1, ["--pipeline-parallel-size", "0", *GAS]),
+], ids=["zb-v-split", "no-pipeline"])
+def test_exported_weights_start_any_layout(chain, ranks, flags, tmp_path):
+    """The validation loss before the first step of a run started from the first run's exported weights is the
+    first run's last validation loss."""
+    root, _, _ = chain
+    run = launch(ranks, [*FLAGS, *flags, "--steps", "1", "--init-from", root / "first.pt", "--eval-interval", "1",
+                         "--metrics-file", tmp_path / "m.jsonl"], timeout=240)
+    assert run.ok, run.explain()
+    last = [json.loads(line) for line in (root / "first.jsonl").read_text().splitlines()][-1]
+    start = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and last["step"] == 3
+    assert start["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+
+
+def test_the_converter_script_writes_what_a_resume_reads(chain, tmp_path, capsys):
+    """scripts/convert_checkpoint.py: the universal layout of a --save-dir's latest checkpoint, anywhere."""
+    import importlib.util
+
+    from local_launch import ROOT
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "scripts" / "convert_checkpoint.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    root, _, folders = chain
+    script.main([str(folders[5]), "--out", str(tmp_path / "u")])  # ZB-V at 4 stages, its head split
+    assert f"{tmp_path / 'u'}: 77 parameters" in capsys.readouterr().out
+    expected, *_ = universal_state(root / "first" / "global_step1")
+    for name, by_key in expected.items():
+        assert torch.equal(torch.load(tmp_path / "u" / name / "fp32.pt")["param"], by_key["fp32"]["param"])
+    with pytest.raises(SystemExit, match="not a DeepSpeed checkpoint folder"):
+        script.main([str(tmp_path / "nothing")])

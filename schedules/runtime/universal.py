@@ -226,26 +226,47 @@ def load(engine, folder, layers=None):
     from the universal layout in `folder` (`<tag>`, holding `zero/`). `layers`: a non-pipelined model's
     layer list. Collective over data-parallel ranks at ZeRO 1 and bf16 (DeepSpeed gathers the weights)."""
     zero = os.path.join(folder, ZERO)
-    names = local_names(engine.module, layers)
     cache = {}
 
-    def full(p, key):
-        name, rows = names[id(p)]
+    def read(name, key):
         if (name, key) not in cache:
             path = os.path.join(zero, name, f"{key}.pt")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path}: the checkpoint has no {name} (another model?)")
-            cache[(name, key)] = torch.load(path, map_location="cpu", weights_only=False)
-        value = cache[(name, key)]
-        value = value["param"] if key != "step" else value
-        if key != "step":
-            value = value[rows[0]:rows[1]] if rows else value
-            if value.shape != p.shape:
-                raise ValueError(f"{name}: the checkpoint holds {tuple(value.shape)}, this model {tuple(p.shape)}")
+            value = torch.load(path, map_location="cpu", weights_only=False)
+            cache[(name, key)] = value if key == "step" else value["param"]
+        return cache[(name, key)]
+
+    saved = torch.load(os.path.join(zero, GLOBAL_STATE), map_location="cpu", weights_only=False)
+    _put(engine, local_names(engine.module, layers), read, saved["param_groups"])
+
+
+def load_weights(engine, weights, layers=None):
+    """Every parameter of `engine` from `weights`, a state dict keyed by the unsplit layer list's names
+    (train.py's --export), the optimizer's state left as it is (a fresh run's)."""
+    def read(name, key):
+        if name not in weights:
+            raise KeyError(f"no {name} in the weights (another model?)")
+        return weights[name]
+
+    _put(engine, local_names(engine.module, layers), read, None)
+
+
+def _put(engine, names, read, saved_groups):
+    """Set each parameter of `engine` (its fp32 master where the optimizer keeps one) from
+    `read(name, 'fp32')`, rows of it for a VocabSlice; with `saved_groups` (the checkpoint's
+    param_groups) also Adam's moments and step (`read(name, key)`) and the groups' hyperparameters."""
+    def full(p, key):
+        name, rows = names[id(p)]
+        value = read(name, key)
+        if key == "step":
+            return value
+        value = value[rows[0]:rows[1]] if rows else value
+        if value.shape != p.shape:
+            raise ValueError(f"{name}: the checkpoint holds {tuple(value.shape)}, this model {tuple(p.shape)}")
         return value
 
     optimizer = engine.optimizer
-    saved = torch.load(os.path.join(zero, GLOBAL_STATE), map_location="cpu", weights_only=False)
     lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
     if lp_groups is not None:  # DeepSpeed's ZeRO 1/2 or BF16 optimizer: fp32 partitions behind the model's params
         from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
@@ -257,24 +278,30 @@ def load(engine, folder, layers=None):
                 if mapping is None:
                     continue  # held by another data-parallel rank's partition
                 address = mapping.lp_fragment_address
-                fragment = lambda key: full(lp, key).flatten().narrow(0, address.start, address.numel)
+
+                def fragment(key):
+                    return full(lp, key).flatten().narrow(0, address.start, address.numel)
                 mapping.get_hp_fragment().data.copy_(fragment("fp32"))
-                mapping.optim_fragment = {key: fragment(key).clone() for key in STATES}
-                steps.add(float(full(lp, "step")))
-            hp = group["params"][0]
-            if steps:
-                base.state[hp]["step"] = torch.tensor(steps.pop(), dtype=torch.float32)
-            map_to_flat_opt_states(hp, lp_groups[i], base.state, STATES)
-            _set_hyperparameters(group, saved["param_groups"], i)
+                if saved_groups is not None:
+                    mapping.optim_fragment = {key: fragment(key).clone() for key in STATES}
+                    steps.add(float(full(lp, "step")))
+            if saved_groups is not None:
+                hp = group["params"][0]
+                if steps:
+                    base.state[hp]["step"] = torch.tensor(steps.pop(), dtype=torch.float32)
+                map_to_flat_opt_states(hp, lp_groups[i], base.state, STATES)
+                _set_hyperparameters(group, saved_groups, i)
         optimizer.update_lp_params()
     else:  # ZeRO 0: the model's parameters are the optimizer's
         with torch.no_grad():
             for i, group in enumerate(optimizer.param_groups):
                 for p in group["params"]:
                     p.copy_(full(p, "fp32"))
-                    optimizer.state[p] = {"step": torch.tensor(float(full(p, "step")), dtype=torch.float32),
-                                          **{key: full(p, key).to(p.dtype).clone() for key in STATES}}
-                _set_hyperparameters(group, saved["param_groups"], i)
+                    if saved_groups is not None:
+                        optimizer.state[p] = {"step": torch.tensor(float(full(p, "step")), dtype=torch.float32),
+                                              **{key: full(p, key).to(p.dtype).clone() for key in STATES}}
+                if saved_groups is not None:
+                    _set_hyperparameters(group, saved_groups, i)
 
 
 def _set_hyperparameters(group, saved_groups, i):
