@@ -198,9 +198,9 @@ def save_checkpoint(engine, args, record, step):
     folder = os.path.join(args.save_dir, tag)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(folder, RUN_FILE)):
         os.remove(os.path.join(folder, RUN_FILE))  # re-saving a tag: incomplete until written again
-    names = [engine.param_names.get(p) for group in engine.optimizer.param_groups for p in group["params"]]
-    client_state = {"step": step, **({"param_names": names} if None not in names else {})}
-    engine.save_checkpoint(args.save_dir, tag=tag, client_state=client_state, save_latest=False)  # ends in a barrier
+    from schedules.runtime import universal
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state={"step": step, **universal.client_state(engine)},
+                           save_latest=False)  # ends in a barrier
     if dist.get_rank() == 0:
         files = {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
                  for d, _, names in sorted(os.walk(folder)) for f in sorted(names) if f != RUN_FILE}
@@ -262,20 +262,33 @@ def load_checkpoint(engine, args, tag, saved, now):
     """Load checkpoint `tag` (validated, record `saved`) into the engine of a run with record `now`; the
     step it was saved at. Under the layout that wrote it, DeepSpeed's own files; under another, the
     universal layout (converted from them once, by rank 0, into `<tag>/zero`)."""
+    import time
+
+    import torch.distributed as dist
+    start = time.perf_counter()
     changes = layout_changes(saved, now, cut=engine.module.parts if args.pipeline_parallel_size else None)
-    if not changes:
-        path, client_state = engine.load_checkpoint(source_dir(args), tag=tag)
-        if path is None:
-            raise UsageError(f"--resume: DeepSpeed found no checkpoint {tag} in {source_dir(args)}")
-        return client_state["step"]
+    if changes and dist.get_rank() == 0:
+        print(f"resuming {tag} under another layout ({', '.join(changes)}): from its universal layout "
+              f"(written once, in {tag}/zero)", flush=True)
+    step = _load_universal(engine, args, tag, saved, now) if changes else _load_native(engine, args, tag)
+    if dist.get_rank() == 0:
+        print(f"resumed {tag} in {time.perf_counter() - start:.2f} s", flush=True)
+    return step
+
+
+def _load_native(engine, args, tag):
+    path, client_state = engine.load_checkpoint(source_dir(args), tag=tag)
+    if path is None:
+        raise UsageError(f"--resume: DeepSpeed found no checkpoint {tag} in {source_dir(args)}")
+    return client_state["step"]
+
+
+def _load_universal(engine, args, tag, saved, now):
     import torch
     import torch.distributed as dist
 
     from schedules.runtime import universal
     folder = os.path.join(source_dir(args), tag)
-    if dist.get_rank() == 0:
-        print(f"resuming {tag} under another layout ({', '.join(changes)}): from its universal layout, "
-              f"{folder}/{universal.ZERO}", flush=True)
     try:
         if dist.get_rank() == 0 and not universal.is_converted(folder):
             to_universal(folder, saved)

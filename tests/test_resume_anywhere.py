@@ -209,3 +209,14 @@ def test_the_converter_script_writes_what_a_resume_reads(chain, tmp_path, capsys
         assert torch.equal(torch.load(tmp_path / "u" / name / "fp32.pt")["param"], by_key["fp32"]["param"])
     with pytest.raises(SystemExit, match="not a DeepSpeed checkpoint folder"):
         script.main([str(tmp_path / "nothing")])
+
+
+@pytest.mark.parametrize("a, zero_a, b, zero_b", [("zb-v", 1, "dualpipe", 0), ("interleaved", 0, "1f1b-lean", 1)])
+def test_a_users_model_with_tied_weights_moves_exactly(a, zero_a, b, zero_b, tmp_path):
+    """The library's path (tests/resume_probe.py): a tied embedding and head trained under A, saved by DeepSpeed,
+    converted, loaded under B and saved again: every weight, moment and step the same."""
+    run = launch(2, [a, zero_a, b, zero_b, tmp_path], script="tests/resume_probe.py", timeout=200)
+    assert run.ok, run.explain()
+    result = json.loads(run.stdout[0].strip().splitlines()[-1])
+    assert result["differ"] == [] and result["extra"] == [] and result["compared"] == 17
+    assert result["tied_moved"] > 1e-3

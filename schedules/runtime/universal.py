@@ -77,7 +77,9 @@ def local_names(module, layers=None):
         runs = (list(zip((start for start, _ in bounds), chunks)) if chunks is not None
                 else [(module._local_start, module.forward_funcs)])
         slices = head_slices(module._layer_specs)
-    names = {}
+    # tied modules first: DeepSpeed names them so even where a layer list entry is the module itself
+    names = {id(p): (f"tied_modules.{pname}", None)
+             for pname, p in getattr(module, 'tied_modules', torch.nn.ModuleDict()).named_parameters()}
     for start, funcs in runs:
         for i, layer in enumerate(funcs):
             if not isinstance(layer, torch.nn.Module):
@@ -86,9 +88,20 @@ def local_names(module, layers=None):
                 name, part = canonical(f"{start + i}.{pname}", slices)
                 rows = (layer.start, layer.stop) if part is not None and is_vocab_slice(layer) else None
                 names.setdefault(id(p), (name, rows))
-    for pname, p in getattr(module, 'tied_modules', torch.nn.ModuleDict()).named_parameters():
-        names.setdefault(id(p), (f"tied_modules.{pname}", None))
     return names
+
+
+def client_state(engine):
+    """What `engine.save_checkpoint(..., client_state=)` must add for `convert` to read a ZeRO-0 checkpoint:
+    the parameters' names in the optimizer's order (its state is kept by position), and the tied modules'
+    weights (DeepSpeed's layer files skip a tied layer with a forward_fn). Empty at ZeRO >= 1."""
+    params = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    names = [engine.param_names.get(p) for p in params]
+    if None in names:  # ZeRO >= 1: the optimizer's groups are flat partitions, named by DeepSpeed itself
+        return {}
+    tied = getattr(engine.module, 'tied_modules', torch.nn.ModuleDict())
+    return {"param_names": names, "tied_weights": {f"tied_modules.{n}": p.detach().cpu().clone()
+                                                   for n, p in tied.named_parameters()}}
 
 
 # ---------------------------------------------------------------------------------------------
