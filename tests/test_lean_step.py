@@ -122,11 +122,11 @@ def test_zero_0_clipping_by_the_global_norm_matches_non_pipelined(schedule, sgd_
 
 @pytest.mark.multiprocess
 def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself():
-    """ZeRO 1 in fp32 with one data-parallel rank (the shipped config's optimizer, clipping that bites): our
-    engine hands DeepSpeed's ZeRO-1 optimizer the gradients its reduction would (tests/zero1_probe.py), removes its
-    gradient hooks and accumulates in place. Three steps end with the same fp32 master weights and Adam moments,
-    bit for bit, as DeepSpeed's own reduction gives (with and without in-place accumulation), the same losses and
-    norm."""
+    """ZeRO 1 in fp32 with one data-parallel rank (the shipped config's optimizer, clipping that bites): our engine
+    hands DeepSpeed's ZeRO-1 optimizer the gradients its reduction would (tests/zero1_probe.py), removes its
+    gradient hooks, accumulates in place and keeps the weights in the optimizer's fp32 master partition. Three steps
+    end with the same fp32 master weights and Adam moments, bit for bit, as DeepSpeed's own reduction gives (with
+    and without in-place accumulation), the same losses and norm."""
     run = launch(2, [], script="tests/zero1_probe.py", timeout=240)
     assert run.ok, run.explain()
     for out in run.stdout:
@@ -134,6 +134,7 @@ def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself():
         reference = seen["deepspeed"]
         assert not reference["lean"] and not reference["in_place"] and reference["hooks"] > 0
         assert seen["lean"]["lean"] and seen["lean"]["in_place"] and seen["lean"]["hooks"] == 0
+        assert seen["lean"]["weights_are_master"] and not reference["weights_are_master"]
         assert seen["lean-not-in-place"]["lean"] and not seen["lean-not-in-place"]["in_place"]
         assert reference["norm"] > 0.05  # the clipping bites
         exact = seen["lean-not-in-place"]
@@ -164,3 +165,21 @@ def test_the_shipped_config_accumulates_in_place_on_our_engines(tmp_path):
     assert run.ok, run.explain()
     lines = [line for err in run.stderr for line in err.splitlines() if "deferrable to W passes" in line]
     assert len(lines) == 2 and all("added into .grad by their multiply" in line for line in lines), lines
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_the_lean_zero_1_path_resumes_on_deepspeeds_own_engine(tmp_path):
+    """The lean ZeRO-1 path keeps DeepSpeed's optimizer and its checkpoint files: zb-h1's checkpoint of step 1
+    (the shipped config, our engine), resumed by DeepSpeed's own 1F1B engine, trains step 2 as zb-h1 did."""
+    flags = [*TINY_CHUNKED, *PP2, "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
+             "--dist-timeout", "120", "--steps", "2", "--save-dir", tmp_path / "ckpt"]
+    run = launch(2, [*flags, "--pipeline-schedule", "zb-h1", "--save-interval", "1",
+                     "--metrics-file", tmp_path / "full.jsonl"], timeout=240)
+    assert run.ok, run.explain()
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    run = launch(2, [*flags, "--pipeline-schedule", "1f1b", "--resume", "--metrics-file", tmp_path / "resumed.jsonl"],
+                 timeout=240)
+    assert run.ok, run.explain()
+    full, resumed = ([__import__("json").loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+                     for name in ("full.jsonl", "resumed.jsonl"))
+    assert len(resumed) == 1 and resumed[0] == pytest.approx(full[1], abs=1e-6)

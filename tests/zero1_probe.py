@@ -3,14 +3,14 @@ optimizer (DeepSpeed's ZeRO-1, torch's fused AdamW, clipping that bites), traine
 same weights and micro-batches:
 
 - `lean`: as our engines run it (lean_step.zero1_one_replica): ReduceGrads hands the optimizer its gradients, its
-  gradient hooks removed, weight gradients accumulated in place;
+  gradient hooks removed, weight gradients accumulated in place, the weights views of its fp32 master partition;
 - `lean-not-in-place`: the same hand-over, weight gradients handed to autograd as DeepSpeed's path has them;
 - `deepspeed`: DeepSpeed's own ZeRO-1 reduction (its hooks, buckets, the all-reduce over one rank).
 
 Run by tests/test_lean_step.py through local_launch. Prints one JSON line per rank: whether each engine took the
-lean path, accumulated in place and kept DeepSpeed's hooks; each engine's losses; and, against `deepspeed`, whether
-the fp32 master partition (the weights) and the optimizer's moments are equal bit for bit, and their largest
-difference.
+lean path, accumulated in place, kept DeepSpeed's hooks and holds its weights in the master partition; each engine's
+losses; and, against `deepspeed`, whether the fp32 master partition (the weights) and the optimizer's moments are
+equal bit for bit, and their largest difference.
 """
 import json
 from datetime import timedelta
@@ -64,6 +64,7 @@ def main():
         engine = build(mode)
         losses = [engine.train_batch(iter(batches)).item() for batches in steps]
         seen[mode] = {"lean": engine._lean_zero1(), "in_place": engine._in_place,
+                      "weights_are_master": lean_step.master_is_weights(engine.optimizer),
                       "hooks": len(engine.optimizer._grad_acc_hooks), "losses": losses,
                       "norm": float(engine.get_global_grad_norm()), "state": state(engine)}
     reference = seen["deepspeed"]["state"]

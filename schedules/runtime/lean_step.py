@@ -14,9 +14,11 @@ optimizer itself (scripts/benchmark_peers.py; docs/benchmarks.md):
   rank, a division by 1) hands its step each parameter's gradient unchanged. Here ReduceGrads hands them
   over directly, as its own epilogue lists them (`zero1_gradients`), and the optimizer's per-parameter
   gradient hooks, which only prepare that reduction, are removed (`release_zero1_hooks`), so that the
-  weight gradients accumulate in place as at ZeRO 0. The optimizer is DeepSpeed's, whole: its fp32
-  master partition and its state are what steps and what checkpoints hold; its step is step_targets.py's
-  ZeroStep, DeepSpeed's to the bit.
+  weight gradients accumulate in place as at ZeRO 0. Its fp32 master partition, equal to the weights at all
+  times, becomes their storage (`share_master_weights`): the step updates them in place, with no copy
+  after it and no second copy of the weights. The optimizer is DeepSpeed's, whole: its master partition and
+  its state are what steps and what checkpoints hold; its step is step_targets.py's ZeroStep, DeepSpeed's
+  to the bit.
 - Gradient clipping with ZeRO 0 (fp32) takes one Python norm per parameter, a tensor per step, and
   counts only the parameters of model-parallel rank 0, which in a pipeline grid is the first stage:
   every stage clips by the first stage's norm, not the model's. Here the norm is the whole model's, as the
@@ -91,6 +93,29 @@ def release_zero1_hooks(opt):
     for handle in opt._grad_acc_hooks:
         handle.remove()
     opt._grad_acc_hooks.clear()
+
+
+def share_master_weights(opt):
+    """Make the weights of each group views of the optimizer's fp32 master partition (`zero1_one_replica`): with
+    one data-parallel rank in fp32 that partition is the whole group (padding included) and equal to the weights
+    at all times (DeepSpeed's step copies it into them), so the step updates them in place, and neither a copy
+    per step nor a second copy of the weights is kept. The master and its state (what steps, what checkpoints
+    hold, what the parameters' fp32 mappings point into) stay the optimizer's; the old flat weights are freed."""
+    for i, master in enumerate(opt.single_partition_of_fp32_groups):
+        flat = opt.bit16_groups_flat[i]
+        if (master.shape != flat.shape or master.dtype != flat.dtype or master.device != flat.device
+                or not torch.equal(master, flat)):
+            continue  # (not one partition of fp32 weights: left as DeepSpeed keeps it)
+        opt.bit16_groups_flat[i] = master.detach()
+        opt.parallel_partitioned_bit16_groups[i] = opt.get_data_parallel_partitions(opt.bit16_groups_flat[i], i)
+        opt._update_model_bit16_weights(i)
+
+
+def master_is_weights(opt):
+    """Whether every group's weights are views of its fp32 master partition (`share_master_weights`): its step
+    has nothing to copy into them."""
+    return all(flat.data_ptr() == master.data_ptr() and flat.numel() == master.numel()
+               for flat, master in zip(opt.bit16_groups_flat, opt.single_partition_of_fp32_groups))
 
 
 def zero1_gradients(opt):
@@ -229,6 +254,7 @@ class LeanStep:
         self._zero1_taken_over = zero1_one_replica(self)
         if self._zero1_taken_over:
             release_zero1_hooks(self.optimizer)
+            share_master_weights(self.optimizer)
 
     def _exec_reduce_grads(self):
         if self._lean_zero1():

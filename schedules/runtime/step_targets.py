@@ -30,7 +30,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_model_parallel_
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from schedules.runtime.lean_step import clip_coefficient, plain_zero1, squared_grad_norm, zero0_fp32
+from schedules.runtime.lean_step import clip_coefficient, master_is_weights, plain_zero1, squared_grad_norm, zero0_fp32
 from schedules.runtime.weight_grad import keep_spare_grads
 
 
@@ -275,11 +275,14 @@ class ZeroStep(_PartitionedStep):
         return 1.0 / float(((self.norm(squares) / self.opt.loss_scale) + 1e-6) / self.opt.clip_grad)
 
     def _stepped(self):
-        return self.opt.single_partition_of_fp32_groups, self.opt.bit16_groups_flat
+        # (the weights, where they are the master partition itself, once: lean_step.share_master_weights)
+        weights = [] if master_is_weights(self.opt) else self.opt.bit16_groups_flat
+        return self.opt.single_partition_of_fp32_groups, weights
 
     def step(self, squares=None):
         """DeepSpeedZeroOptimizer.step after its norm: per group clip and step the fp32 partition; then copy the
-        partitions into the weights' and all-gather them over replicas (the optimizer's own update_lp_params)."""
+        partitions into the weights' and all-gather them over replicas (the optimizer's own update_lp_params),
+        unless the weights are the partition itself (one data-parallel rank: lean_step.share_master_weights)."""
         opt, norm = self.opt, None if squares is None else self.norm(squares)
         for i, grad in enumerate(self._grads):
             fp32_partition = opt.single_partition_of_fp32_groups[i]
@@ -288,6 +291,8 @@ class ZeroStep(_PartitionedStep):
                 opt.unscale_and_clip_grads([grad], norm)
             opt._optimizer_step(i)
             fp32_partition.grad = None
+        if master_is_weights(opt):
+            return  # stepped in place
         opt.update_lp_params()
         for i in range(len(opt.bit16_groups)):
             opt._update_model_bit16_weights(i)
