@@ -24,13 +24,13 @@ rank's, T the synchronised step (every rank starts together, as DeepSpeed's trai
 interlocked period.
 """
 import functools
+import gc
 import json
 import mimetypes
 import os
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -147,16 +147,21 @@ def simulated(req):
     return dict(out, seconds=time.perf_counter() - started)
 
 
-def simulated_json(req, pool=None):
+def simulated_json(req, pools=None):
     """`simulated` as the JSON bytes the server sends, serialised once per input (a cached answer is then sent at
-    once; `seconds` is the time this answer took). With `pool` (a process pool) a new input is simulated there, so
-    that the schedules the page asks for together are simulated side by side on the machine's cores."""
+    once; `seconds` is the time this answer took). With `pools` (one process each) a new input is simulated in the
+    one of its schedule, so that the schedules the page asks for together are simulated side by side on the
+    machine's cores, and a schedule's structure, kept by the simulator, is there when its costs change."""
     key = (simulation_inputs(req), bool(req.get('dependencies', True)))
     started = time.perf_counter()
     with _answers_lock:
         body = _answers.get(key)
     if body is None:
-        body = pool.submit(_serialised, *key).result() if pool is not None else _serialised(*key)
+        if pools:
+            pool = pools[list(available_schedules()).index(key[0][0]) % len(pools)]
+            body = pool.submit(_serialised, *key).result()
+        else:
+            body = _serialised(*key)
         with _answers_lock:
             _answers[key] = body
             while sum(map(len, _answers.values())) > ANSWERS_BYTES and len(_answers) > 1:
@@ -168,8 +173,27 @@ _answers, _answers_lock = {}, threading.Lock()  # (inputs, with dependencies) ->
 ANSWERS_BYTES = 256 << 20  # what the kept answers may hold
 
 
+def _collector_paused(function):
+    """`function` run with Python's cyclic garbage collector off (as `simulate` runs), on again after: an answer
+    makes many objects that all go when it is sent, and a sweep of the collector while they live would move them
+    to its oldest generation, whose full sweeps then cost a page 100-200 ms now and then."""
+    @functools.wraps(function)
+    def paused(*args, **kwargs):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def _serialised(key, with_dependencies):
-    return json.dumps(_simulated(*key, with_dependencies), separators=(',', ':')).encode()
+    # made anew (not from `_simulated`'s cache): what the server keeps is the JSON, and many live lists would make
+    # each of the collector's full sweeps longer
+    return json.dumps(_simulated.__wrapped__(*key, with_dependencies), separators=(',', ':')).encode()
 
 
 @functools.lru_cache(maxsize=16)  # (the answers the server keeps are its JSON, above)
@@ -192,9 +216,10 @@ def _run(spec, p, m, F, B, W, comm, chained):
     else each pass costs its kind's figure times its chunk's size, as unit costs do."""
     place = spec.placement(p)
     costs = None
-    if (F, B, W) != (1.0, 1.0, 1.0):
+    if (F, B, W) != (1.0, 1.0, 1.0):  # as a table: the simulator looks each figure up once
         per_kind = {'F': F, 'B': B, 'W': W, 'BW': B + W}
-        costs = lambda rank, chunk, kind: per_kind[kind] * place.chunk_size(rank, chunk)  # noqa: E731
+        costs = {(rank, chunk): {kind: cost * place.chunk_size(rank, chunk) for kind, cost in per_kind.items()}
+                 for rank in range(p) for chunk in range(place.chunks)}
     return simulate(spec.factory, p, m, placement=spec.placement, costs=costs, latency=comm,
                     iterations=5 if chained else 1), place
 
@@ -205,16 +230,19 @@ def figures(result, place, chained, memory=None, units=None, with_dependencies=T
     trace); default the timeline's. Chained, the drawing is the window of the middle iteration of the chained run
     (as scripts/plot_schedules.py draws it), its neighbours' passes that reach into it marked by their iteration.
     `with_dependencies` False leaves the dependencies out (the page asks for them when it draws its arrows)."""
-    timeline, focus = result.timeline, None
+    focus = None
     step = result.period if chained else result.makespan
     idle_key = 'idle_interlocked' if chained else 'idle_synced'
     per_rank = [dict(row, bubble=row[idle_key] / step if step else 0.0) for row in result.per_rank]
     worst = max(per_rank, key=lambda row: (row['bubble'], -row['rank']))
     peak = max(row['peak_activation_memory'] for row in per_rank)
-    memory_points = memory_over_time(timeline, place, memory)
-    if chained and result.chained is not None:
+    if chained and result.chained is not None:  # (the synchronised timeline is not drawn: it is not built)
         focus = len(result.chained.iterations()) // 2
-        timeline, memory_points = window(result.chained, focus, memory_over_time(result.chained, place, memory))
+        until = result.chained.span(focus)[1]  # what ends later is not in the window
+        timeline, memory_points = window(result.chained, focus, memory_over_time(result.chained, place, memory, until))
+    else:
+        timeline = result.timeline
+        memory_points = memory_over_time(timeline, place, memory)
     out = {
         'units': units or timeline.units,
         'memory_units': 'micro-batches' if memory is None else 'bytes',  # of one 1F1B stage; bytes: a profile's
@@ -236,8 +264,8 @@ def window(timeline, focus, memory_points):
     """The passes of `timeline` that overlap iteration `focus`'s span, on a clock starting there (cut at its ends),
     and the memory over time in that window (starting from what was live when it opens)."""
     t0, t1 = timeline.span(focus)
-    rows = [[replace(q, start=max(q.start, t0) - t0, end=min(q.end, t1) - t0) for q in row
-             if q.end > t0 and q.start < t1] for row in timeline.ranks]
+    rows = [[Pass(q.kind, q.stage, q.chunk, q.micro_batch, max(q.start, t0) - t0, min(q.end, t1) - t0, q.direction,
+                  q.pair, q.iteration) for q in row if q.end > t0 and q.start < t1] for row in timeline.ranks]
     points = []
     for rank_points in memory_points:
         before = [live for t, live in rank_points if t <= t0]
@@ -254,15 +282,21 @@ def encode(timeline, units=None):
                         q.pair, q.iteration] for q in row] for row in timeline.ranks]}
 
 
-def memory_over_time(timeline, place, memory=None):
+def memory_over_time(timeline, place, memory=None, until=None):
     """Per rank, [[time, activation memory after the pass that ended then], ...]: each pass's change as the
-    simulator's own memory table gives it (`_memory_function`), in the rank's order of passes."""
-    delta = _memory_function(memory)
+    simulator's own memory table gives it (`_memory_function`), in the rank's order of passes; with `until`, up to
+    the first pass that ends after it (a rank's passes end in their order)."""
+    delta, deltas = _memory_function(memory), {}
     out = []
     for rank, row in enumerate(timeline.ranks):
         live, points = 0.0, [[row[0].start if row else 0.0, 0.0]]
         for q in row:
-            live += delta(rank, q.chunk, q.kind, place.chunk_size(rank, q.chunk))
+            if until is not None and q.end > until:
+                break
+            change = deltas.get((rank, q.chunk, q.kind))
+            if change is None:
+                change = deltas[rank, q.chunk, q.kind] = delta(rank, q.chunk, q.kind, place.chunk_size(rank, q.chunk))
+            live += change
             points.append([q.end, live])
         out.append(points)
     return out
@@ -503,7 +537,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         path = self.path.split('?')[0]
-        handler = (lambda req: simulated_json(req, self.server.pool)) if path == '/api/simulate' else API.get(path)
+        handler = (lambda req: simulated_json(req, self.server.pools)) if path == '/api/simulate' else API.get(path)
         if handler is None:
             return self._send(404, {'error': f'{self.path}: no such API'})
         try:
@@ -531,12 +565,12 @@ def _follow_parent(parent):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
-    pool = None  # a process pool simulating new inputs, or None: in the server's own threads
+    pools = None  # processes simulating new inputs (a pool of one each), or None: in the server's own threads
 
     def server_close(self):
         super().server_close()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        for pool in self.pools or ():
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def serve(host='127.0.0.1', port=0, workers=None):
@@ -549,9 +583,11 @@ def serve(host='127.0.0.1', port=0, workers=None):
     if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
-        server.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context('fork'),
-                                          initializer=_follow_parent, initargs=(os.getpid(), ))
-        list(server.pool.map(_pid, range(workers)))  # start them all now
+        server.pools = [ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('fork'),
+                                            initializer=_follow_parent, initargs=(os.getpid(), ))
+                        for _ in range(workers)]
+        for pool in server.pools:  # start them all now
+            pool.submit(_pid, 0).result()
     threading.Thread(target=server.serve_forever, name='explore', daemon=True).start()
     shown = f'[{host}]' if ':' in host else host
     return server, f'http://{shown}:{server.server_address[1]}/'

@@ -22,9 +22,11 @@ never an engine.
 
 import gc
 from collections import OrderedDict, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from itertools import chain
 from typing import Optional
 
+import numpy as np
 from deepspeed.runtime.pipe import schedule as ds
 
 from schedules.errors import ScheduleError
@@ -312,7 +314,7 @@ def _programs(factory, placement, stages, micro_batches, first):
 
 
 # ----------------------------------------------------------------------------------------------
-# The simulation.
+# The simulation's pieces.
 
 def _unit_cost(kind, size):
     return size * {'F': 1, 'B': 1, 'W': 1, 'BW': 2}[kind]
@@ -359,8 +361,7 @@ class _Buffer:
 class _Rank:
     __slots__ = ('rank', 'programs', 'run', 'runs', 'prog', 'pos', 'source', 'source_of', 'it', 'step', 'instr',
                  'effects', 'epos', 'pair', 'clock', 'waiting', 'queued', 'finished', 'buffers', 'counts', 'forwards',
-                 'backwards', 'pending_w', 'meta_done', 'grad_slot', 'in_flight', 'memory', 'peak', 'passes',
-                 'iteration_end', 'messages', 'validated_through', 'validation_waits', 'costs', 'deltas', 'dispatch',
+                 'backwards', 'pending_w', 'meta_done', 'grad_slot', 'in_flight', 'messages', 'validated_through',
                  'wpos', 'wclock', 'count', 'constants')
 
     def __init__(self, rank, runs, program, source_of=None):
@@ -374,7 +375,7 @@ class _Rank:
         self.step = self.instr = None
         self.effects, self.epos = (), 0  # its effects, the next one at `epos`
         self.pair = None  # the pair id of its paired computes
-        self.clock = 0.0
+        self.clock = rank  # the node of its time: at first its clock when the program starts
         self.waiting, self.queued = (), []
         self.wpos, self.wclock = 0, None  # the ops of `waiting` before wpos are done, the latest ending at wclock
         self.count = 0  # instructions of the runs it has finished
@@ -386,13 +387,8 @@ class _Rank:
         self.meta_done = set()  # (is_send, chunk) once the activation shapes went through
         self.grad_slot = None  # stock engine: gradient received but not yet used
         self.in_flight = []  # asynchronous sends not yet known to be complete
-        self.memory = self.peak = 0.0
-        self.passes, self.iteration_end = [], {}
         self.messages = []  # (iteration, is_send, kind, peer rank) of each data send / receive, in stream order
         self.validated_through = -1  # post-validation: the last iteration whose norm this rank waited for
-        self.validation_waits = {}  # iteration -> how long this rank waited for its norm before the next one
-        self.costs, self.deltas = {}, {}  # (chunk, kind) -> a pass's cost (where fixed) and memory delta
-        self.dispatch = 0.0
 
     def peek(self):
         """(run, entry) of the next instruction, or None at the end of the last run; moves on to the next run
@@ -417,31 +413,86 @@ class _Rank:
         return _at((self.rank, self.it, self.step, self.instr))
 
 
+# ----------------------------------------------------------------------------------------------
+# The simulation: a schedule's structure, then its timing.
+#
+# What the streams alone decide (every check, which send meets which receive, what each rank waits for) does not
+# depend on the costs. `_Simulation` works it out by running the streams together and writes it down as a
+# program of timing nodes: node i's time is max(t[A[i]], t[B[i]]) + params[K[i]], nodes 0 .. p-1 being the
+# ranks' clocks when the program starts, the params a call's costs (a pass's cost, the latency, a send's or
+# receive's own time, dispatch, the optimizer step, a rollback). `_replay` then gives every node its time. The
+# structure of a registered schedule is kept (_STRUCTURES) for the next call at other costs; the chained
+# iterations replay one iteration's program (`_steady`) instead of running the streams again.
+
+_ZERO, _LATENCY, _SEND_CPU, _RECV_CPU, _WAIT = range(5)  # param slots; _WAIT + rank: 0.0, a rank waiting
+
+
+def _slots(ranks, runs):
+    """First param slot of each per-rank block: dispatch, step before / after the norm, rollback (one block per
+    run of the program), and of the passes' costs (one slot per pass)."""
+    dispatch = _WAIT + ranks
+    return dispatch, dispatch + ranks, dispatch + 2 * ranks, dispatch + 3 * ranks, dispatch + (3 + runs) * ranks
+
+
+class _Program:
+    """The structure of `runs` runs of every rank's stream, as timing nodes (see above).
+
+    passes: (rank, kind, stage, chunk, micro-batch, direction, pair, paired, run, start node, end node, chunk size,
+    memory override) in the order the simulation ran them (each rank's in its order); `paired`: its pair is the
+    simulation's number of its instruction, renumbered when runs are replayed. ends: each rank's clock at the end;
+    iteration_end, validation: (run, rank, node[, clock node]); fetch: (clock node, run) of each paired instruction
+    when its rank reached it, in that order; meta_waits: the nodes where a rank waited for a tensor-shape message;
+    folds: the waits for an op posted just before (never later than the op's end while no cost is below zero);
+    clean: the streams could run again from the state they ended in and do the same (see `_steady`)."""
+    __slots__ = ('ranks', 'runs', 'A', 'B', 'K', 'passes', 'ends', 'iteration_end', 'validation', 'fetch',
+                 'meta_waits', 'folds', 'messages', 'instructions', 'clean', 'keys', 'key_of', 'rank_of', 'starts',
+                 'stops', 'later', 'variants')
+
+    def __init__(self, ranks, runs):
+        self.ranks, self.runs = ranks, runs
+        self.A = self.B = self.K = None  # numpy arrays, one item per node after the ranks' first clocks
+        self.passes, self.ends, self.iteration_end, self.validation = [], [], [], []
+        self.fetch, self.meta_waits, self.folds = [], [], []
+        self.messages, self.instructions, self.clean = None, 0, False
+        self.keys = None  # the distinct (rank, chunk, kind, size) of its passes
+        self.key_of = self.rank_of = self.starts = self.stops = None  # per pass: its key's index, rank, nodes
+        self.later = None  # the program of a later run (`_steady`), once asked for
+        self.variants = {}  # what its timings reuse: _Variants (by the params known 0.0), pair numbers
+
+    def finish(self, nodes):
+        table = np.fromiter(chain.from_iterable(nodes), dtype=np.int64, count=3 * len(nodes)).reshape(-1, 3)
+        self.A, self.B, self.K = (np.ascontiguousarray(table[:, i]) for i in range(3))
+        index = {}
+        self.key_of = np.array([index.setdefault((t[0], t[3], t[1]), len(index)) for t in self.passes],
+                               dtype=np.int64)
+        sizes = {(t[0], t[3], t[1]): t[11] for t in self.passes}
+        self.keys = [(rank, chunk, kind, sizes[rank, chunk, kind]) for rank, chunk, kind in index]
+        self.rank_of = np.array([t[0] for t in self.passes], dtype=np.int64)
+        self.starts = np.array([t[9] for t in self.passes], dtype=np.int64)
+        self.stops = np.array([t[10] for t in self.passes], dtype=np.int64)
+        return self
+
+    def size(self):
+        return len(self.A) * (1 + len(self.variants)) + 4 * len(self.passes)
+
+
 class _Simulation:
-    def __init__(self, factory, placement, ranks, micro_batches, iterations, cost, latency, forward_only, memory,
-                 p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None, replayed=(), rollback_cost=0.0,
-                 fixed_costs=False, messages=True):
-        self.step_cost = step_cost if isinstance(step_cost, dict) else {r: step_cost for r in range(ranks)}
-        self.rollback_cost = (rollback_cost if isinstance(rollback_cost, dict)
-                              else {r: rollback_cost for r in range(ranks)})
-        # the runs of the iterations' streams: a replayed iteration runs twice, the first run wasted
-        self.run_iteration, self.wasted = [], set()
-        for it in range(iterations):
-            if it in replayed:
-                self.wasted.add(len(self.run_iteration))
-                self.run_iteration.append(it)
-            self.run_iteration.append(it)
+    """Every rank's stream run together for `runs` runs: the checks, the matching, and the `_Program` of timing
+    nodes they make (`self.program`)."""
+
+    def __init__(self, factory, placement, ranks, micro_batches, runs, forward_only, validation=None, messages=True):
         if validation not in VALIDATIONS:
             raise ValueError(f"validation {validation!r}: choose from {', '.join(map(str, VALIDATIONS))}")
         self.validation = validation
-        self.norm_started = {}  # iteration -> {rank: when it reached its OptimizerStep (started the norm)}
-        self.placement, self.cost, self.latency, self.forward_only = placement, cost, latency, forward_only
-        self.fixed_costs = fixed_costs  # a pass's cost depends on (rank, chunk, kind) only: looked up once
+        self.norm_started = {}  # run -> {rank: node where it reached its OptimizerStep (started the norm)}
+        self.arrived = {}  # run -> node where the model's norm is known
+        self.placement, self.forward_only = placement, forward_only
         self.record_messages = messages  # whether the ranks list their sends and receives (`SimResult.messages`)
-        self.send_cpu, self.recv_cpu = p2p_cpu  # a send's / a receive's own time on its rank
-        self.dispatch = dispatch if isinstance(dispatch, dict) else {r: dispatch for r in range(ranks)}
-        self.memory = memory  # (rank, chunk, kind, size) -> activation-memory delta of that pass
-        runs = len(self.run_iteration)  # a run of a replayed iteration counts as an iteration here
+        self.p = ranks
+        self.dispatch_slot, self.before_slot, self.after_slot, self.rollback_slot, self.cost_slot = \
+            _slots(ranks, runs)
+        self.program = _Program(ranks, runs)
+        self.nodes = []  # (a, b, k) of node p + i
         if _replayable(factory):
             kept = _program_key(factory, placement, ranks, micro_batches) in _PROGRAMS
             # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
@@ -459,13 +510,18 @@ class _Simulation:
         self.channels = {}  # (src, dst[, kind]) -> (deque of sends, deque of receives), in posting order
         self.next_pair = 0
         # what _advance reads on every call, in one tuple
-        self.constants = (forward_only, fixed_costs, latency, self.recv_cpu, self.send_cpu, placement.batched_p2p,
-                          placement.async_sends, placement.tensor_meta, placement.single_grad_slot, cost, memory,
-                          self.channels, messages)
+        self.constants = (forward_only, placement.batched_p2p, placement.async_sends, placement.tensor_meta,
+                          placement.single_grad_slot, self.channels, messages, self.nodes, ranks - 1,
+                          self.program.passes, self.cost_slot, self.program.fetch, self.program.meta_waits,
+                          self.program.folds)
         for rk in self.ranks:
-            rk.dispatch = self.dispatch.get(rk.rank, 0.0)
-            rk.constants = (rk.rank, rk.dispatch, rk.buffers, rk.deltas, rk.costs, rk.passes, rk.messages,
-                            rk.pending_w, rk.meta_done)
+            rk.clock = rk.rank  # its clock when the program starts
+            rk.constants = (rk.rank, rk.buffers, rk.messages, rk.pending_w, rk.meta_done, _WAIT + rk.rank,
+                            self.dispatch_slot + rk.rank)
+
+    def _node(self, a, b, k):
+        self.nodes.append((a, b, k))
+        return len(self.nodes) + self.p - 1
 
     # -- driving ------------------------------------------------------------------------------
     def run(self):
@@ -484,6 +540,24 @@ class _Simulation:
         if not all(r.finished for r in self.ranks):
             raise ScheduleError(self._stuck_report())
         self._final_checks()
+        prog = self.program
+        prog.ends = [rk.clock for rk in self.ranks]
+        prog.instructions = sum(rk.count for rk in self.ranks)
+        if self.record_messages:
+            prog.messages = [[m[1:] for m in rk.messages] for rk in self.ranks]
+        prog.clean = all(self._clean(rk) for rk in self.ranks)
+        for rk in self.ranks:  # its ops name their rank: no cycle left for the collector
+            rk.waiting, rk.in_flight, rk.queued, rk.source = (), [], [], None
+        self.channels.clear()
+        return prog.finish(self.nodes)
+
+    def _clean(self, rk):
+        """Whether the rank's state at the end holds nothing that a next run of its stream could read before
+        writing it (the received input, the live activations, a B awaiting its W, the one received gradient): then
+        the run again does the same, without its tensor-shape messages (sent once per chunk)."""
+        if rk.pending_w or rk.queued or rk.in_flight or (self.placement.single_grad_slot and rk.grad_slot is not None):
+            return False
+        return all(b.inp is None and b.act is None and not b.b_done for b in rk.buffers.values())
 
     def _advance(self, rk):
         """Run rank `rk` until it waits for a message (or the norm) or its stream ends; whether it moved.
@@ -491,14 +565,15 @@ class _Simulation:
         The hot path: the instructions of a run and their usual effects, with the rank's state in local variables
         (written back before anything else reads it). Whatever is unusual (the first instruction of a run, the end of
         the stream, a tensor-shape message, a check that fails, any other effect) goes through the methods below,
-        which do the same with every check and error message."""
+        which do the same with every check and error message. `clock` is the node of the rank's time."""
         if rk.finished:
             return False
         moved = False
-        (forward_only, fixed_costs, latency, recv_cpu, send_cpu, batched, async_sends, tensor_meta, single_slot,
-         cost_of, memory_of, channels, record) = self.constants
-        rank, dispatch, buffers, deltas, costs, passes, messages, pending_w, meta_done = rk.constants
-        clock, memory, peak = rk.clock, rk.memory, rk.peak
+        (forward_only, batched, async_sends, tensor_meta, single_slot, channels, record, nodes, off, passes, cost_slot,
+         fetch, meta_waits, folds) = self.constants
+        rank, buffers, messages, pending_w, meta_done, wait_slot, dispatch_slot = rk.constants
+        node = nodes.append
+        clock = rk.clock
         counts, forwards, backwards, in_flight = rk.counts, rk.forwards, rk.backwards, rk.in_flight
         effects, epos, prog, pos, it, run = rk.effects, rk.epos, rk.prog, rk.pos, rk.it, rk.run
         step, instr, pair_id = rk.step, rk.instr, rk.pair
@@ -508,26 +583,36 @@ class _Simulation:
                 # it goes on once every op it waits for is done, at the latest of their ends; the ops found done
                 # are not looked at again (at a batch's end it waits for every asynchronous send of the batch)
                 if len(waiting) == 1:
-                    done = waiting[0][_DONE]
+                    w = waiting[0]
+                    done = w[_DONE]
                     if done is None:
-                        rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                        rk.clock, rk.epos, rk.pos = clock, epos, pos
                         rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                         return moved
-                    if done > clock:
-                        clock = done
+                    node((clock, done, wait_slot))
+                    if clock == w[_POSTED]:  # waited for at once: it cannot end before its op
+                        folds.append(len(nodes) - 1)
+                    clock = len(nodes) + off
+                    if w[_MSG][0] is META:
+                        meta_waits.append(clock)
                     rk.waiting = ()
                     waiting = ()
             if waiting:
                 latest = rk.wclock if rk.wpos else clock
                 for i in range(rk.wpos, len(waiting)):
-                    done = waiting[i][_DONE]
+                    w = waiting[i]
+                    done = w[_DONE]
                     if done is None:
                         rk.wpos, rk.wclock = i, latest
-                        rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                        rk.clock, rk.epos, rk.pos = clock, epos, pos
                         rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                         return moved
-                    if done > latest:
-                        latest = done
+                    node((latest, done, wait_slot))
+                    if latest == w[_POSTED]:
+                        folds.append(len(nodes) - 1)
+                    latest = len(nodes) + off
+                    if w[_MSG][0] is META:
+                        meta_waits.append(latest)
                 clock = latest
                 rk.waiting, rk.wpos = (), 0
             if epos >= len(effects):  # the instruction is done: the next one
@@ -538,10 +623,11 @@ class _Simulation:
                     if paired:
                         self.next_pair += 1  # the paired computes of this instruction share one id
                         pair_id = self.next_pair
+                        fetch.append((clock, it))
                     if not effects:
                         continue
                 else:
-                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.clock, rk.epos, rk.pos = clock, epos, pos
                     rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                     done = self._next_instruction(rk)
                     clock, effects, epos, prog, pos = rk.clock, rk.effects, rk.epos, rk.prog, rk.pos
@@ -578,7 +664,6 @@ class _Simulation:
                             if not forward_only:  # without autograd nothing is kept for a backward
                                 buf.act = buf.out
                             forwards.add((chunk, direction, mb))
-                            delta = 0.0 if forward_only else deltas.get(e[12])
                     elif forward_only:
                         usual = False
                     elif kind == 'W':
@@ -588,7 +673,6 @@ class _Simulation:
                             if mb is None:
                                 mb = buf.act[1]
                             buf.act, buf.b_done = None, False
-                            delta = deltas.get(e[12])
                     elif kind == 'B' or kind == 'BW':
                         act = buf.act
                         usual = act is not None and not buf.b_done
@@ -604,7 +688,6 @@ class _Simulation:
                                 rk.grad_slot = None
                             backwards.add((chunk, direction, mb))
                             buf.grad, buf.out, buf.bwd = None, None, (it, mb)
-                            delta = deltas.get(e[12])
                             if kind == 'BW':
                                 buf.act = None
                             else:
@@ -613,27 +696,18 @@ class _Simulation:
                     else:
                         usual = False
                 if not usual:  # the full method: it creates the buffer, checks everything and raises
-                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.clock, rk.epos, rk.pos = clock, epos, pos
                     rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                     self._compute(rk, e)
-                    clock, memory, peak = rk.clock, rk.memory, rk.peak
+                    clock = rk.clock
                     continue
-                if delta is None:
-                    delta = deltas[e[12]] = memory_of(rank, chunk, kind, e[8])
-                clock += dispatch
-                start = clock
-                cost = costs.get(e[12])
-                if cost is None:
-                    cost = cost_of(rank, chunk, kind, e[8])
-                    if fixed_costs:
-                        costs[e[12]] = cost
-                clock = start + cost
-                memory += delta if e[7] is None else e[7]
-                if memory > peak:
-                    peak = memory
+                node((clock, clock, dispatch_slot))
+                start = len(nodes) + off
+                node((start, start, cost_slot + len(passes)))
+                clock = start + 1
                 pair = e[6]
-                passes.append(Pass(kind, e[9], chunk, mb, start, clock, direction,
-                                   pair_id if pair is _PAIRED else pair, it))
+                passes.append((rank, kind, e[9], chunk, mb, direction, pair_id if pair is _PAIRED else pair,
+                               pair is _PAIRED, it, start, clock, e[8], e[7]))
             elif op is _P2P:
                 is_send, kind, bkey = e[1], e[2], e[4]
                 buf = buffers.get(bkey)
@@ -666,7 +740,7 @@ class _Simulation:
                             buf = None
                         match = 2
                 if buf is None:  # the full method: the shapes, or an error
-                    rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                    rk.clock, rk.epos, rk.pos = clock, epos, pos
                     rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                     self._p2p(rk, e)
                     clock, epos = rk.clock, rk.epos
@@ -677,7 +751,8 @@ class _Simulation:
                 if record:
                     messages.append((it, is_send, kind, peer))
                 if is_send:
-                    clock += send_cpu
+                    node((clock, clock, _SEND_CPU))
+                    clock = len(nodes) + off
                 if batched:
                     rk.queued.append(new)
                     continue
@@ -703,13 +778,14 @@ class _Simulation:
                     s, r = queues[0].popleft(), new
                 if s[_MSG] != r[_MSG]:
                     self._protocol_error(s, r)
-                s_posted, r_posted = s[_POSTED], r[_POSTED]
-                s[_DONE] = done = (s_posted if s_posted >= r_posted else r_posted) + latency
-                r[_DONE] = done + recv_cpu
+                node((s[_POSTED], r[_POSTED], _LATENCY))
+                done = s[_DONE] = len(nodes) + off
+                node((done, done, _RECV_CPU))
+                r[_DONE] = done + 1
                 if r[_MATCH]:
                     self._matched(r)
             else:
-                rk.clock, rk.memory, rk.peak, rk.epos, rk.pos = clock, memory, peak, epos, pos
+                rk.clock, rk.epos, rk.pos = clock, epos, pos
                 rk.effects, rk.step, rk.instr, rk.pair = effects, step, instr, pair_id
                 self._apply(rk, e)
                 clock = rk.clock
@@ -725,7 +801,7 @@ class _Simulation:
                 # an engine with asynchronous sends waits for them before its batch ends
                 rk.waiting, rk.in_flight = rk.in_flight, []
                 return None
-            rk.iteration_end[it] = rk.clock
+            self.program.iteration_end.append((it, rk.rank, rk.clock))
             if self.validation and not self._validated(rk, it):
                 # its next iteration (or, after its last, the end of the run) waits for the norm
                 return False
@@ -745,6 +821,7 @@ class _Simulation:
         if paired:
             self.next_pair += 1
             rk.pair = self.next_pair
+            self.program.fetch.append((rk.clock, run))
         return None
 
     def _apply(self, rk, e):
@@ -754,14 +831,13 @@ class _Simulation:
             if buf is None:
                 buf = rk.buffers[e[1]] = _Buffer()
             buf.loaded = True
-        elif op is _STEP:
-            before, after = self._step_parts(rk.rank)
-            rk.clock += before
-            self.norm_started.setdefault(rk.it, {}).setdefault(rk.rank, rk.clock)
+        elif op is _STEP:  # its time (step_cost) before the norm is started and after; a rollback's in a replay
+            r = rk.rank
+            rk.clock = self._node(rk.clock, rk.clock, self.before_slot + r)
+            self.norm_started.setdefault(rk.it, {}).setdefault(r, rk.clock)
             if self.validation != 'wait':  # (waiting, the rank steps once the norm is in: _validated)
-                rk.clock += after
-            if rk.it in self.wasted:  # its step redoes the one before (a rollback), its own is not taken
-                rk.clock += self.rollback_cost.get(rk.rank, 0.0)
+                rk.clock = self._node(rk.clock, rk.clock, self.after_slot + r)
+            rk.clock = self._node(rk.clock, rk.clock, self.rollback_slot + rk.it * self.p + r)
         elif op is _COMMIT:
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
@@ -783,19 +859,20 @@ class _Simulation:
         started = self.norm_started.get(it, {})
         if len(started) < len(self.ranks):
             return False
-        arrived = max(started.values()) + self.latency
+        arrived = self.arrived.get(it)
+        if arrived is None:  # max(started) + latency
+            nodes = list(started.values())
+            latest = nodes[0]
+            for n in nodes[1:]:
+                latest = self._node(latest, n, _ZERO)
+            arrived = self.arrived[it] = self._node(latest, latest, _LATENCY)
         if rk.validated_through < it:
             rk.validated_through = it
-            rk.validation_waits[it] = max(0.0, arrived - rk.clock)
-            rk.clock = max(rk.clock, arrived)
+            self.program.validation.append((it, rk.rank, arrived, rk.clock))  # its wait: max(0, arrived - clock)
+            rk.clock = self._node(rk.clock, arrived, _WAIT + rk.rank)
             if self.validation == 'wait':
-                rk.clock += self._step_parts(rk.rank)[1]
+                rk.clock = self._node(rk.clock, rk.clock, self.after_slot + rk.rank)
         return True
-
-    def _step_parts(self, rank):
-        """(before, after): a rank's step_cost before its norm is started and after (all after for a number)."""
-        cost = self.step_cost.get(rank, 0.0)
-        return tuple(cost) if isinstance(cost, (tuple, list)) else (0.0, cost)
 
     # -- compute and the ordering rules it checks ------------------------------------------------
     def _compute(self, rk, e):
@@ -832,12 +909,6 @@ class _Simulation:
                 raise self._fail(rk, f'forward of micro-batch {mb} before its forward on the local upstream chunk '
                                      f'{up[1]}')
             rk.forwards.add((chunk, direction, mb))
-            if self.forward_only:
-                delta = 0.0
-            else:
-                delta = rk.deltas.get(ck)
-                if delta is None:
-                    delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
         elif self.forward_only:
             raise self._fail(rk, f'a {kind} pass in a forward-only run')
         elif kind == 'B' or kind == 'BW':
@@ -858,9 +929,6 @@ class _Simulation:
                                          f'chunk {down[1]}')
             rk.backwards.add((chunk, direction, mb))
             buf.grad, buf.out, buf.bwd = None, None, (it, mb)
-            delta = rk.deltas.get(ck)
-            if delta is None:
-                delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
             if kind == 'BW':
                 buf.act = None
             else:
@@ -879,23 +947,14 @@ class _Simulation:
             if mb is None:
                 mb = buf.act[1]
             buf.act, buf.b_done = None, False
-            delta = rk.deltas.get(ck)
-            if delta is None:
-                delta = rk.deltas[ck] = self.memory(rk.rank, chunk, kind, size)
         else:
             raise self._fail(rk, f'unknown pass kind {kind!r}')
 
-        start = rk.clock = rk.clock + rk.dispatch
-        cost = rk.costs.get(ck)
-        if cost is None:
-            cost = self.cost(rk.rank, chunk, kind, size)
-            if self.fixed_costs:
-                rk.costs[ck] = cost
-        end = rk.clock = start + cost
-        rk.memory += delta if memory is None else memory
-        if rk.memory > rk.peak:
-            rk.peak = rk.memory
-        rk.passes.append(Pass(kind, stage, chunk, mb, start, end, direction, rk.pair if pair is _PAIRED else pair, it))
+        start = self._node(rk.clock, rk.clock, self.dispatch_slot + rk.rank)
+        passes = self.program.passes
+        rk.clock = self._node(start, start, self.cost_slot + len(passes))
+        passes.append((rk.rank, kind, stage, chunk, mb, direction, rk.pair if pair is _PAIRED else pair,
+                       pair is _PAIRED, it, start, rk.clock, size, memory))
 
     @staticmethod
     def _fail(rk, why):
@@ -949,7 +1008,7 @@ class _Simulation:
         if self.record_messages:
             rk.messages.append((it, is_send, kind, peer))
         if is_send:
-            rk.clock += self.send_cpu
+            rk.clock = self._node(rk.clock, rk.clock, _SEND_CPU)
         if pl.batched_p2p:
             rk.queued.append(op)
         else:
@@ -975,12 +1034,12 @@ class _Simulation:
                 recvs.append(op)
                 return
             s, r = sends.popleft(), op
-        # the heads of the channel meet (one side was empty before this op came)
+        # the heads of the channel meet (one side was empty before this op came): done one latency after the later
+        # of the two was posted, the receive its own time after that
         if s[_MSG] != r[_MSG]:
             self._protocol_error(s, r)
-        s_posted, r_posted = s[_POSTED], r[_POSTED]
-        s[_DONE] = done = (s_posted if s_posted >= r_posted else r_posted) + self.latency
-        r[_DONE] = done + self.recv_cpu
+        s[_DONE] = done = self._node(s[_POSTED], r[_POSTED], _LATENCY)
+        r[_DONE] = self._node(done, done, _RECV_CPU)
         if r[_MATCH]:
             self._matched(r)
 
@@ -1038,6 +1097,255 @@ class _Simulation:
 
 
 # ----------------------------------------------------------------------------------------------
+# Structures kept, and the chained iterations from one iteration's.
+
+_STRUCTURES = OrderedDict()  # (factory, placement, handlers, p, m, forward_only, validation) -> {runs: _Program}
+_STRUCTURES_KEPT = 4_000_000  # nodes and passes kept (every schedule at p = 16, m = 64 many times over), the least
+# recently used dropped first
+
+
+def _structure(factory, placement, stages, micro_batches, runs, forward_only, validation):
+    """The `_Program` of `runs` runs of the schedule's streams: kept from an earlier call, else simulated (and kept
+    when the streams are a function of the schedule, p and m alone)."""
+    kept = _replayable(factory)
+    key = _program_key(factory, placement, stages, micro_batches) + (forward_only, validation)
+    programs = _STRUCTURES.get(key) if kept else None
+    if programs is not None and runs in programs:
+        _STRUCTURES.move_to_end(key)
+        return programs[runs]
+    prog = _Simulation(factory, placement, stages, micro_batches, runs, forward_only, validation,
+                       messages=runs == 1).run()
+    if kept:
+        _STRUCTURES.setdefault(key, {})[runs] = prog
+        _STRUCTURES.move_to_end(key)
+        _keep_within()
+    return prog
+
+
+def _keep_within():
+    size = sum(p.size() for programs in _STRUCTURES.values() for p in programs.values())
+    while size > _STRUCTURES_KEPT and len(_STRUCTURES) > 1:
+        size -= sum(p.size() for p in _STRUCTURES.popitem(last=False)[1].values())
+
+
+def _steady(first):
+    """The program of a later run of the streams whose first run is `first` (a one-run program that ended clean):
+    the same nodes, but a tensor-shape message is no longer waited for (the engines send the shapes once)."""
+    if first.later is None:
+        steady = _Program(first.ranks, 1)
+        for name in _Program.__slots__:
+            setattr(steady, name, getattr(first, name))
+        steady.B, steady.K = first.B.copy(), first.K.copy()
+        waits = np.array(first.meta_waits, dtype=np.int64) - first.ranks
+        steady.B[waits], steady.K[waits] = first.A[waits], _ZERO  # the time it had: no wait
+        steady.meta_waits, steady.later, steady.variants = [], None, {}
+        first.later = steady
+    return first.later
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing: the programs' nodes given their times.
+
+class _Variant:
+    """A program's nodes less those whose time is another's: `same` (a boolean per node) those whose time is their
+    first input's, `ends` those whose time is their second's. `where[n]`: the node here that has node n's time."""
+    __slots__ = ('A', 'B', 'K', 'where')
+
+    def __init__(self, prog, same, ends=None):
+        p, n = prog.ranks, len(prog.A)
+        A, B, K = prog.A, prog.B, prog.K
+        parent = np.arange(p + n, dtype=np.int64)
+        parent[p:][same] = A[same]
+        gone = same
+        if ends is not None:
+            ends = ends & ~same
+            parent[p:][ends] = B[ends]
+            gone = same | ends
+        while True:  # each node to the first one kept before it (its time)
+            up = parent[parent]
+            if np.array_equal(up, parent):
+                break
+            parent = up
+        kept = ~gone
+        number = np.arange(p + n, dtype=np.int64)
+        number[p:][kept] = p + np.arange(int(kept.sum()), dtype=np.int64)
+        self.where = number[parent]
+        self.A, self.B, self.K = self.where[A[kept]], self.where[B[kept]], K[kept]
+
+
+def _timing_variant(prog, zero, nonneg):
+    """`prog` timed at costs whose params `zero` (dispatch, send, receive, step before, after, rollback: all 0.0 or
+    not) says are 0.0: without the nodes that add such a param to one time (x + 0.0 is x), and, when no latency or
+    receive time is below zero, the waits for an op posted just before (they end with their op). Kept per `zero`."""
+    key = (zero, nonneg)
+    found = prog.variants.get(key)
+    if found is None:
+        p = prog.ranks
+        dispatch, before, after, rollback, costs = _slots(p, prog.runs)
+        known = np.zeros(costs + 1, dtype=bool)  # the params that are 0.0 (the passes' costs are not looked at)
+        known[_ZERO] = True
+        for (lo, hi), is_zero in zip(((dispatch, dispatch + p), (_SEND_CPU, _SEND_CPU + 1), (_RECV_CPU, _RECV_CPU + 1),
+                                      (before, before + p), (after, after + p), (rollback, costs)), zero):
+            known[lo:hi] = is_zero
+        ends = None
+        if nonneg and prog.folds:
+            ends = np.zeros(len(prog.A), dtype=bool)
+            ends[prog.folds] = True
+        found = prog.variants[key] = _Variant(prog, (prog.A == prog.B) & known[np.minimum(prog.K, costs)], ends)
+    return found
+
+
+def _evaluate(A, B, add, carry):
+    """The time of every node: max(t[a], t[b]) + its param, the ranks starting at `carry`."""
+    t = list(carry)
+    push = t.append
+    for a, b, c in zip(A, B, add):
+        x = t[a]
+        y = t[b]
+        push((x if x > y else y) + c)
+    return t
+
+
+def _visits(prog, carry, lists):
+    """For every node of `prog` (its `where`), the visit of the simulation's sweep (round * p + rank) in which it was
+    made, the ranks' first at `carry`: a wait ends at its rank's first visit at or after the one that matched its
+    op; any other node is made when the later of its inputs was. What numbers paired passes in a replayed run as the
+    simulation would have."""
+    p = prog.ranks
+    var = prog.variants.get('visits')
+    if var is None:  # a node adding to one time is made with it
+        var = prog.variants['visits'] = _Variant(prog, (prog.A == prog.B) & ((prog.K < _WAIT) | (prog.K >= _WAIT + p)))
+    if var not in lists:  # (the steady runs share theirs)
+        waiter = np.where((var.K >= _WAIT) & (var.K < _WAIT + p), var.K - _WAIT + 1, 0)  # its rank + 1, for a wait
+        lists[var] = var.A.tolist(), var.B.tolist(), waiter.tolist()
+    v = list(carry)
+    push = v.append
+    for a, b, r in zip(*lists[var]):
+        x = v[a]
+        y = v[b]
+        if r:
+            y += (r - 1 - y) % p
+        push(x if x > y else y)
+    return np.array(v, dtype=np.int64)[var.where]
+
+
+def _pair_numbers(segments):
+    """Per segment, {its simulation's pair id: the id the simulation of all the segments' runs at once gives}. Kept
+    with the first program, per number of segments (the steady ones being its `later`)."""
+    first = segments[0][0]
+    key = ('pairs', len(segments))
+    if key not in first.variants:
+        order, carry, lists = [], list(range(first.ranks)), {}
+        for n, (prog, _) in enumerate(segments):
+            v = _visits(prog, carry, lists).tolist()
+            order += [(v[node], n, g) for g, (node, _) in enumerate(prog.fetch)]
+            carry = [v[node] for node in prog.ends]
+        out = [{} for _ in segments]
+        for i, (_, n, g) in enumerate(sorted(order)):
+            out[n][g + 1] = i + 1
+        first.variants[key] = out
+    return first.variants[key]
+
+
+class _Replayed:
+    """The times of a replay: each rank's clock at the end, iteration ends and validation waits (by run), and its
+    passes, built when asked for (`passes()`) from each segment's start and end times."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self.clocks = [0.0] * ranks
+        self.iteration_end = [{} for _ in range(ranks)]
+        self.validation_waits = [{} for _ in range(ranks)]
+        self.segments = []  # (program, first run, starts, stops, {pair id: replayed pair id} or None)
+        self.run_iteration = None
+        self.instructions = 0
+
+    def passes(self):
+        rows = [[] for _ in range(self.ranks)]
+        its = self.run_iteration
+        for prog, run0, starts, stops, pairs in self.segments:
+            for (rank, kind, stage, chunk, mb, direction, pair, paired, run, _, _, _, _), start, stop in zip(
+                    prog.passes, starts.tolist(), stops.tolist()):
+                rows[rank].append(Pass(kind, stage, chunk, mb, start, stop, direction,
+                                       pairs[pair] if paired and pairs else pair, its[run0 + run]))
+        return rows
+
+    def busy(self):
+        """Each rank's passes' time, summed as Timeline.busy sums it (in its order)."""
+        prog, _, starts, stops, _ = self.segments[0]
+        durations = stops - starts
+        return [sum(durations[prog.rank_of == r].tolist()) for r in range(self.ranks)]
+
+
+def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
+            memo=None):
+    """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
+    ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
+    back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params."""
+    first = segments[0][0]
+    p = first.ranks
+    out = _Replayed(p)
+    out.run_iteration = run_iteration
+    send_cpu, recv_cpu = p2p_cpu
+    parts = [step_parts(r) for r in range(p)]
+    dispatches = [dispatch.get(r, 0.0) for r in range(p)]
+    head = ([0.0, latency, send_cpu, recv_cpu] + [0.0] * p + dispatches + [b for b, _ in parts]
+            + [a for _, a in parts])
+    nonneg = latency >= 0 and recv_cpu >= 0
+    common = (all(x == 0 for x in dispatches), send_cpu == 0, recv_cpu == 0, all(b == 0 for b, _ in parts),
+              all(a == 0 for _, a in parts))
+    renumber = _pair_numbers(segments) if len(segments) > 1 and first.fetch else None
+    carry = [0.0] * p
+    lists = {}  # a variant's nodes as lists, and the params of its last replay with them (the steady runs share them)
+    for n, (prog, run0) in enumerate(segments):
+        blocks = [rollback.get(r, 0.0) if run0 + run in wasted else 0.0
+                  for run in range(prog.runs) for r in range(p)]
+        if fixed:
+            costs = np.array([cost(*key) for key in prog.keys], dtype=np.float64)[prog.key_of]
+        else:  # taken in turn: in each rank's order
+            costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
+        params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
+        var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
+        kept = memo.get('first') if memo is not None and n == 0 else None
+        if kept is not None and kept[0] is var and np.array_equal(kept[1], params):
+            t = kept[2]
+        else:
+            if var not in lists:
+                lists[var] = [var.A.tolist(), var.B.tolist(), None, None]
+            nodes = lists[var]
+            if nodes[2] is None or not np.array_equal(nodes[2], params):
+                nodes[2:] = params, params[var.K].tolist()
+            t = np.array(_evaluate(nodes[0], nodes[1], nodes[3], carry))
+            if memo is not None and n == 0:
+                memo['first'] = (var, params, t)
+        where = var.where
+        for run, r, node in prog.iteration_end:
+            out.iteration_end[r][run0 + run] = float(t[where[node]])
+        for run, r, arrived, clock in prog.validation:
+            out.validation_waits[r][run0 + run] = max(0.0, float(t[where[arrived]]) - float(t[where[clock]]))
+        pairs = renumber[n] if renumber else None
+        out.segments.append((prog, run0, t[where[prog.starts]], t[where[prog.stops]], pairs))
+        carry = t[where[np.array(prog.ends, dtype=np.int64)]].tolist()
+    out.clocks = carry
+    out.instructions = sum(prog.instructions for prog, _ in segments)
+    return out
+
+
+def _peaks(prog, memory_of, forward_only):
+    """Each rank's peak activation memory over `prog`'s passes, in its order."""
+    deltas = [0.0 if forward_only and kind == 'F' else memory_of(rank, chunk, kind, size)
+              for rank, chunk, kind, size in prog.keys]
+    memory = [0.0] * prog.ranks
+    peak = [0.0] * prog.ranks
+    for t, i in zip(prog.passes, prog.key_of.tolist()):
+        r = t[0]
+        m = memory[r] = memory[r] + (deltas[i] if t[12] is None else t[12])
+        if m > peak[r]:
+            peak[r] = m
+    return peak
+
+
+# ----------------------------------------------------------------------------------------------
 # Public API.
 
 @dataclass
@@ -1055,6 +1363,23 @@ class SimResult:
 
     def worst(self, key):
         return max(row[key] for row in self.per_rank)
+
+
+def _built_when_read(name):
+    """SimResult.timeline and .chained: a Timeline, or a function that builds it, called when it is first read (the
+    table and the chooser read only the figures, and a timeline is many objects)."""
+    def read(result):
+        value = result.__dict__[name]
+        if callable(value):
+            value = result.__dict__[name] = value()
+        return value
+
+    def write(result, value):
+        result.__dict__[name] = value
+    return property(read, write)
+
+
+SimResult.timeline, SimResult.chained = _built_when_read('timeline'), _built_when_read('chained')
 
 
 def _cost_function(costs):
@@ -1103,8 +1428,6 @@ def _memory_function(memory):
 
 
 VALIDATIONS = (None, 'ahead', 'wait')  # simulate(validation=...)
-
-
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
              replayed=(), rollback_cost=0.0):
@@ -1144,6 +1467,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     if replayed and validation is not None:
         raise ValueError(f"replayed iterations are what speculating past the validation costs; validation "
                          f"{validation!r} validates before the next iteration, so nothing is replayed")
+    if validation not in VALIDATIONS:
+        raise ValueError(f"validation {validation!r}: choose from {', '.join(map(str, VALIDATIONS))}")
     name = schedule if isinstance(schedule, str) else getattr(schedule, '__name__', repr(schedule))
     if isinstance(schedule, str):
         spec = available_schedules()[schedule]
@@ -1155,18 +1480,42 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     fixed = costs is None or isinstance(costs, dict) and not any(
         isinstance(v, list) for c in costs.values() for v in c.values())
     meta = {'schedule': name, 'stages': stages, 'micro_batches': micro_batches}
+    per_rank = lambda value: value if isinstance(value, dict) else {r: value for r in range(stages)}  # noqa: E731
+    step_cost, rollback_cost, dispatch = per_rank(step_cost), per_rank(rollback_cost), per_rank(dispatch)
+
+    def step_parts(rank):
+        """(before, after): a rank's step_cost before its norm is started and after (all after for a number)."""
+        cost = step_cost.get(rank, 0.0)
+        return tuple(cost) if isinstance(cost, (tuple, list)) else (0.0, cost)
+
+    memo = {}  # the synchronised iteration's times, which the chained run's first iteration shares
 
     def run(n, replays=()):
+        # the runs of the iterations' streams: a replayed iteration runs twice, the first run wasted
+        run_iteration, wasted = [], set()
+        for it in range(n):
+            if it in replays:
+                wasted.add(len(run_iteration))
+                run_iteration.append(it)
+            run_iteration.append(it)
+        runs = len(run_iteration)
+        first = _structure(schedule, place, stages, micro_batches, 1, forward_only, validation)
+        if runs == 1:
+            segments = [(first, 0)]
+        elif first.clean and _replayable(schedule):  # every later run is the first one again, without its shapes
+            segments = [(first, 0)] + [(_steady(first), run) for run in range(1, runs)]
+        else:
+            segments = [(_structure(schedule, place, stages, micro_batches, runs, forward_only, validation), 0)]
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
-        sim = _Simulation(schedule, place, stages, micro_batches, n, cost, latency, forward_only,
-                          _memory_function(memory), p2p_cpu, dispatch, step_cost, validation, replays, rollback_cost,
-                          fixed, messages=n == 1)  # SimResult.messages: one iteration's
-        sim.run()
+        out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
+                      wasted, memo)
+        if n == 1:
+            out.peak = _peaks(first, _memory_function(memory), forward_only)
+            out.messages = first.messages
         if replays:  # a run of a replayed iteration is numbered by its iteration, its end the last run's
-            for r in sim.ranks:
-                r.passes = [replace(p, iteration=sim.run_iteration[p.iteration]) for p in r.passes]
-                r.iteration_end = {sim.run_iteration[run]: end for run, end in sorted(r.iteration_end.items())}
-        return sim.ranks
+            out.iteration_end = [{run_iteration[run]: end for run, end in sorted(ends.items())}
+                                 for ends in out.iteration_end]
+        return out
 
     collecting = gc.isenabled()
     gc.disable()  # a simulation makes many objects and frees few: the collector's sweeps would double its time
@@ -1179,25 +1528,23 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
 
 def _simulate(run, iterations, replayed, stages, units, meta, place):
     one = run(1)
-    makespan = max(r.clock for r in one)
-    timeline = Timeline([r.passes for r in one], units, dict(meta, iterations=1))
-    chained, period, waits = None, makespan, [0.0] * stages
+    makespan = max(one.clocks)
+    timeline = lambda: Timeline(one.passes(), units, dict(meta, iterations=1))  # noqa: E731
+    chained, period, waits, instructions = None, makespan, [0.0] * stages, one.instructions
     if iterations >= 3:
         many = run(iterations, frozenset(replayed))
-        chained = Timeline([r.passes for r in many], units, dict(meta, iterations=iterations))
+        instructions += many.instructions
+        chained = lambda: Timeline(many.passes(), units, dict(meta, iterations=iterations))  # noqa: E731
         # The chained run settles into a periodic regime after a short transient; averaging the
         # last two iterations also covers a regime that alternates between two lengths.
         n = iterations - 1
-        period = max((r.iteration_end[n] - r.iteration_end[n - 2]) / 2 for r in many)
-        waits = [r.validation_waits.get(n - 1, 0.0) for r in many]  # at the last boundary: the steady state
+        period = max((ends[n] - ends[n - 2]) / 2 for ends in many.iteration_end)
+        waits = [w.get(n - 1, 0.0) for w in many.validation_waits]  # at the last boundary: the steady state
     per_rank = []
-    for r in one:
-        busy = timeline.busy(r.rank)
-        per_rank.append({'rank': r.rank, 'busy': busy, 'idle_synced': makespan - busy,
-                         'idle_interlocked': period - busy, 'validation_wait': waits[r.rank],
-                         'peak_activation_memory': r.peak,
-                         'params': sum(place.chunk_size(r.rank, c) for c in range(place.chunks))})
-    messages = [[m[1:] for m in r.messages] for r in one]
-    instructions = sum(r.count for r in one) + (sum(r.count for r in many) if iterations >= 3 else 0)
+    for r, busy in enumerate(one.busy()):
+        per_rank.append({'rank': r, 'busy': busy, 'idle_synced': makespan - busy,
+                         'idle_interlocked': period - busy, 'validation_wait': waits[r],
+                         'peak_activation_memory': one.peak[r],
+                         'params': sum(place.chunk_size(r, c) for c in range(place.chunks))})
+    messages = [list(m) for m in one.messages]
     return SimResult(timeline, chained, makespan, period, per_rank, units, messages, instructions)
-
