@@ -181,11 +181,13 @@ def layout_changes(saved, now, cut=None):
         changes.append("--vocab-parallel " + ("on -> off" if saved["model"].get("vocab_parallel") else "off -> on"))
     if now["bf16"] != saved["bf16"]:
         changes.append("--bf16 " + ("on -> off" if saved["bf16"] else "off -> on"))
-    if cut is not None and saved.get("layer_cut") not in (None, list(cut)):
-        changes.append(f"layer cut {saved['layer_cut']} -> {list(cut)}")
-    elif saved.get("layer_cut") is None and now["partition_method"] != saved["partition_method"]:
-        changes.append(f"--partition-method {saved['partition_method']} -> {now['partition_method']}")
-    return changes
+    if changes:
+        return changes  # the layers are cut anew anyway
+    if cut is not None and saved.get("layer_cut") not in (None, [int(i) for i in cut]):
+        return [f"layer cut {saved['layer_cut']} -> {[int(i) for i in cut]}"]  # e.g. a profile measured anew
+    if saved.get("layer_cut") is None and now["partition_method"] != saved["partition_method"]:
+        return [f"--partition-method {saved['partition_method']} -> {now['partition_method']}"]
+    return []
 
 
 def save_checkpoint(engine, args, record, step):
@@ -204,7 +206,7 @@ def save_checkpoint(engine, args, record, step):
     if dist.get_rank() == 0:
         files = {os.path.relpath(os.path.join(d, f), folder): os.path.getsize(os.path.join(d, f))
                  for d, _, names in sorted(os.walk(folder)) for f in sorted(names) if f != RUN_FILE}
-        cut = {"layer_cut": list(engine.module.parts)} if args.pipeline_parallel_size else {}
+        cut = {"layer_cut": [int(i) for i in engine.module.parts]} if args.pipeline_parallel_size else {}
         _write_atomically(os.path.join(folder, RUN_FILE), json.dumps({**record, **cut, "param_names": True,
                                                                       "step": step, "files": files}))
         _write_atomically(os.path.join(args.save_dir, "latest"), tag)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.multiprocess
 FLAGS = [*TINY_CHUNKED, "--micro-batch-size", "2", "--dist-timeout", "60"]
 GAS = ["--gradient-accumulation-steps", "8"]
 GAS_DP2 = ["--gradient-accumulation-steps", "4"]
-FIRST = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "1f1b", *GAS]
+FIRST = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "1f1b", "--partition-method", "parameters", *GAS]
 
 # (name, ranks, flags, ZeRO stage): each resumes the one before it
 CHAIN = [
