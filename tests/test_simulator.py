@@ -396,3 +396,75 @@ def test_replayed_costs_take_each_pass_its_own_duration():
     again = simulate("zb-h1", 2, 4, costs=replayed_costs(res.chained), iterations=4)
     assert [[p.duration for p in row] for row in again.chained.ranks] == \
         [[p.duration for p in row] for row in res.chained.ranks]
+
+
+# ----------------------------------------------------------------------------------------------
+# structure kept, timing replayed: the same answers as a fresh simulation of every run
+
+def fresh(name):
+    """Schedule `name` with its factory as a plain function (and its placement): the simulator neither keeps its
+    structure nor replays its chained runs (it cannot know that the streams depend on p, m and the rank alone), so
+    every call runs every rank's stream of every iteration together, as a first call of a registered schedule does
+    for its first."""
+    spec = registry.available_schedules()[name]
+
+    def schedule(micro_batches, stages, stage_id):
+        return spec.factory(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+    schedule.__name__ = name
+    return schedule, spec.placement
+
+
+def outcome(schedule, p, m, **kwargs):
+    """Everything simulate answers, or the error it raises (`schedule`: a name or (factory, placement))."""
+    if isinstance(schedule, tuple):
+        schedule, kwargs = schedule[0], dict(kwargs, placement=schedule[1])
+    try:
+        r = simulate(schedule, p, m, **kwargs)
+    except (ValueError, ScheduleError) as e:
+        return type(e).__name__, str(e)
+    return (r.timeline.to_dict(), r.chained and r.chained.to_dict(), r.makespan, r.period, r.per_rank, r.units,
+            r.messages, r.instructions)
+
+
+def costs_of(p, seed):
+    """A cost table with a different figure per rank, chunk and kind."""
+    return {(r, c): {'F': 1 + 0.1 * ((r + seed) % 3) + 0.05 * c, 'B': 1.25 + 0.07 * r, 'W': 0.5 + 0.125 * seed}
+            for r in range(p) for c in range(4)}
+
+
+KEPT_CASES = {
+    'units': lambda p: {},
+    'costs': lambda p: dict(costs=costs_of(p, 1), latency=0.25, p2p_cpu=(0.03, 0.01), dispatch=0.02),
+    'other costs': lambda p: dict(costs=costs_of(p, 2), latency=0.5),
+    'listed': lambda p: dict(costs={k: dict(v, F=[v['F'], 2 * v['F'], 0.5]) for k, v in costs_of(p, 3).items()}),
+    'validated': lambda p: dict(validation='wait', step_cost={r: (0.1 * r, 0.5) for r in range(p)}, latency=0.1),
+    'ahead': lambda p: dict(validation='ahead', step_cost=0.75),
+    'replayed': lambda p: dict(replayed={1, 3}, rollback_cost=0.5, step_cost=0.25),
+    'one iteration': lambda p: dict(iterations=1, memory={(r, c): {'F': 3.0 + r, 'W': -1.0} for r in range(p)
+                                                          for c in range(4)}),
+}
+
+
+@pytest.mark.parametrize('name', list(registry.available_schedules()))
+def test_kept_structure_and_replayed_iterations_give_a_fresh_simulations_answers(name):
+    """Every registered schedule at several p and m, at unit and measured costs, validated, replayed: simulating
+    it again at other costs (its structure kept, its timing replayed) and chaining iterations (the first one's
+    program replayed) answers exactly what simulating every run of every rank's stream afresh answers: timelines
+    (pair numbers too), idle times, memory, messages, errors."""
+    for p, m in ((2, 4), (3, 7), (4, 12), (6, 12)):
+        for case, kwargs in KEPT_CASES.items():
+            got, want = outcome(name, p, m, **kwargs(p)), outcome(fresh(name), p, m, **kwargs(p))
+            assert got == want, f'{name} p = {p}, m = {m}, {case}'
+
+
+def test_a_call_at_other_costs_replays_the_kept_structure(monkeypatch):
+    from schedules.simulator import simulate as sim
+    simulate('zb-v', 4, 8)
+    runs = []
+    real = sim._Simulation.run
+    monkeypatch.setattr(sim._Simulation, 'run', lambda self: runs.append(self) or real(self))
+    again = simulate('zb-v', 4, 8, costs=costs_of(4, 1), latency=0.5)
+    assert runs == []  # no stream run again: the first call's structure, timed at these costs
+    assert again.period < again.makespan
+    simulate('zb-v', 4, 8, validation='wait')  # another structure: one iteration's streams run, the rest replayed
+    assert [sim.program.runs for sim in runs] == [1]
