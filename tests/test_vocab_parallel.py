@@ -104,6 +104,23 @@ def test_recomputed_and_kept_rows_give_the_same_gradients(recompute, rows, backw
         assert (merged - repeat * wr.grad).abs().max() < 1e-6
 
 
+def test_recomputed_rows_under_any_incoming_gradient():
+    """The recomputed rows' softmax x gradient rides in the multiply for a loss's positive gradient; any other
+    (here the log-sum-exp's, negative, and zero for some tokens) takes the plain route: both exact."""
+    from schedules.runtime.vocab_parallel import VocabSlice
+    g = torch.Generator().manual_seed(2)
+    head, x = torch.randn(30, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    y = torch.randint(0, 30, (2, 3), generator=g)
+    weights = torch.tensor([[-1.0, 0.0, 2.0], [0.5, -0.5, 1.0]])
+    xr, wr = x.clone().requires_grad_(), head.clone().requires_grad_()
+    (torch.logsumexp(xr @ wr.t(), -1) * weights).sum().backward()
+    layer = VocabSlice(4, 30, 0, 1, weight=head, recompute=0.5)
+    hidden = x.clone().requires_grad_()
+    _, lse, _, _ = layer((hidden, y))
+    (lse * weights).sum().backward()
+    assert (hidden.grad - xr.grad).abs().max() < 1e-6 and (layer.weight.grad - wr.grad).abs().max() < 1e-6
+
+
 def test_slice_layout_evens_the_slices_peaks_and_times():
     """slice_layout: every slice's peak (n_k micro-batches kept, plus the logits its backward recomputes) and its
     time (recomputed rows cost 1 + cost) come out alike; the last slice keeps all its logits and gets the most rows."""

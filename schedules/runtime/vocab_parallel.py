@@ -63,7 +63,7 @@ def vocab_rows(vocab_size, shares):
     return rows
 
 
-RECOMPUTE_COST = 0.45  # a recomputed row's extra backward time over a kept row's forward + backward + W (measured:
+RECOMPUTE_COST = 0.4  # a recomputed row's extra backward time over a kept row's forward + backward + W (measured:
 # GPTlite small's slices, 128 wide, 256 tokens, one CPU thread; the recompute is one more projection and exponential)
 
 
