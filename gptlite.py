@@ -187,14 +187,15 @@ def CrossEntropyLoss_FlatView(logits, labels):
 def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
               partition_method="parameters", pipe_module=None, partition_weights=None, vocab_parallel=False,
-              **config_overrides):
+              vocab_recompute=True, **config_overrides):
     """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds.
 
     `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
     or modules), for schedules that need one: several model chunks per rank (see
     schedules.pipe_module(name)). `vocab_parallel`: the head as one slice per pipeline rank
     (schedules/runtime/vocab_parallel.py), trained with its loss (`criterion` is not used); the
-    micro-batches' inputs must carry the labels (`with_labels`).
+    micro-batches' inputs must carry the labels (`with_labels`). `vocab_recompute`: the slices laid out to even
+    the ranks' memory (`layer_specs`), else even slices that keep their logits.
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
     if not pipeline_num_stages:
@@ -205,7 +206,7 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     if vocab_parallel:
         if pipe_module is None:
             raise ValueError(refusal("this schedule keeps one stage per rank"))
-        specs = layer_specs(config, vocab_parts=pipeline_num_stages)
+        specs = layer_specs(config, vocab_parts=pipeline_num_stages, vocab_recompute=vocab_recompute)
         build = SeededLayerSpec if pipeline_spec_layers else build_layer
         layers = [build(specs, i, config.seed) for i in range(len(specs))]
         return pipe_module(layers, checkpointable=GPTlitePipe.checkpointable,
