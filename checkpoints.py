@@ -136,12 +136,6 @@ def _unsplit_model(record):
 def resume_refusal(saved, now):
     """None when a run with record `now` can continue a checkpoint with record `saved` (under any layout),
     else what stops it and how to proceed: another model or optimizer, another order of the data."""
-    if now["pipeline_parallel_size"] != saved["pipeline_parallel_size"] and 0 in (
-            now["pipeline_parallel_size"], saved["pipeline_parallel_size"]):
-        pp = saved["pipeline_parallel_size"]
-        return (f"was trained {'without a pipeline' if not pp else f'with {pp} pipeline stages'}: pass "
-                f"{_flags_of(saved) if pp else '--pipeline-parallel-size 0'} (a pipeline and a non-pipelined model "
-                f"resume each other through --export only)")
     if _unsplit_model(now) != _unsplit_model(saved):
         want = saved["model"]
         flags = (f"--model deep --deep-width {want['deep_width']} --deep-depth {want['deep_depth']}"
@@ -175,7 +169,8 @@ def layout_changes(saved, now, cut=None):
                       ("data_parallel_size", "data-parallel degree"), ("zero_stage", "ZeRO stage")):
         if now[key] != saved[key]:
             changes.append(f"{flag} {saved[key]} -> {now[key]}")
-    if now["placement"] != saved["placement"] and _schedule_flags(now) != _schedule_flags(saved):
+    if now["placement"] != saved["placement"] and _schedule_flags(now) != _schedule_flags(saved) and \
+            now["pipeline_parallel_size"] and saved["pipeline_parallel_size"]:
         changes.append(f"{_schedule_flags(saved)} -> {_schedule_flags(now)}")
     if now["model"].get("vocab_parallel", False) != saved["model"].get("vocab_parallel", False):
         changes.append("--vocab-parallel " + ("on -> off" if saved["model"].get("vocab_parallel") else "off -> on"))
@@ -253,11 +248,29 @@ def to_universal(folder, record=None, out=None):
     if record is None and os.path.isfile(os.path.join(folder, RUN_FILE)):
         with open(os.path.join(folder, RUN_FILE)) as f:
             record = json.load(f)
-    slices = None
+    slices, rename = None, None
     if record and record["model"].get("vocab_parallel"):
         pp = record["pipeline_parallel_size"]
         slices = (record["model"]["layers"] - pp, pp)
-    return universal.convert(folder, slices=slices, out=out)
+    if record and not record["pipeline_parallel_size"]:  # the plain model's names -> its layer list's
+        model = _plain_model(record["model"])
+        rename = universal.layer_names(model, model.to_layers())
+    return universal.convert(folder, slices=slices, out=out, rename=rename)
+
+
+def _plain_model(model):
+    """The non-pipelined model a record describes, on the meta device (its names and shapes only)."""
+    from dataclasses import replace
+
+    import torch
+    with torch.device("meta"):
+        if model["model"] == "deep":
+            import deep_model
+            return deep_model.get_model(width=model["deep_width"], depth=model["deep_depth"])
+        import gptlite
+        config = replace(gptlite.MODEL_SIZES[model["model_size"]], n_layer=model["layers"] - 3,
+                         **({"block_size": model["block_size"]} if model.get("block_size") else {}))
+        return gptlite.GPTlite(config)
 
 
 def load_checkpoint(engine, args, tag, saved, now):
@@ -304,7 +317,7 @@ def _load_universal(engine, args, tag, saved, now):
             if path is None:
                 raise ValueError(f"DeepSpeed found no universal checkpoint {tag}")
         else:
-            universal.load(engine, folder)
+            universal.load(engine, folder, None if args.pipeline_parallel_size else engine.module.to_layers())
         state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu",
                            weights_only=False)
     except (OSError, ValueError, KeyError, RuntimeError) as e:

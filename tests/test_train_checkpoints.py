@@ -64,7 +64,6 @@ def test_checkpoint_records_the_run(trained):
 # name: (world size, flags instead of 1F1B at 2 stages, what the line names); another layout resumes
 # (tests/test_resume_anywhere.py), another model, optimizer or data order does not
 REFUSED = {
-    "no-pipeline": (1, ["--pipeline-parallel-size", "0"], "--pipeline-parallel-size 2"),
     "more-data-parallel": (4, PP2, "pass --gradient-accumulation-steps 2 (the same global batch"),
     "another-model-size": (2, [*PP2, "--model-size", "small"], "--model-size tiny"),
     "another-depth": (2, [*PP2, "--n-layer", "8"], "--model-size tiny (with 9 layers"),

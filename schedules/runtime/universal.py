@@ -91,6 +91,13 @@ def local_names(module, layers=None):
     return names
 
 
+def layer_names(model, layers):
+    """{a non-pipelined model's parameter name: its name in the layer list `layers` (the model's, in order)}."""
+    index = {id(p): f"{i}.{n}" for i, layer in enumerate(layers) if isinstance(layer, torch.nn.Module)
+             for n, p in layer.named_parameters()}
+    return {name: index[id(p)] for name, p in model.named_parameters() if id(p) in index}
+
+
 def client_state(engine):
     """What `engine.save_checkpoint(..., client_state=)` must add for `convert` to read a ZeRO-0 checkpoint:
     the parameters' names in the optimizer's order (its state is kept by position), and the tied modules'
@@ -107,12 +114,15 @@ def client_state(engine):
 # ---------------------------------------------------------------------------------------------
 # convert: DeepSpeed's pipeline checkpoint -> the universal layout
 # ---------------------------------------------------------------------------------------------
-def convert(folder, slices=None, out=None):
-    """Write `out` (default `<folder>/zero`) from the DeepSpeed pipeline checkpoint in `folder` (one tag):
-    every parameter once, full size, by its name in the unsplit layer list. Returns the names written.
-    `slices`: (first layer index, count) of a split head's slices, merged into one head."""
+def convert(folder, slices=None, out=None, rename=None):
+    """Write `out` (default `<folder>/zero`) from the DeepSpeed checkpoint in `folder` (one tag): every
+    parameter once, full size, by its name in the unsplit layer list. Returns the names written.
+    `slices`: (first layer index, count) of a split head's slices, merged into one head. `rename`: a
+    non-pipelined model's names -> the layer list's (`layer_names`)."""
     out = out or os.path.join(folder, ZERO)
     tensors, step, groups = _read_native(folder)  # {name: {key: full tensor}} with the checkpoint's names
+    if rename:
+        tensors = {rename.get(name, name): value for name, value in tensors.items()}
     merged = {}
     for name in sorted(tensors, key=_layer_order):
         canon, part = canonical(name, slices)
@@ -218,6 +228,8 @@ def _read_zero0(folder):
 
 
 def _layer_weight(folder, name, cache, model_state):
+    if model_state.get("module") is not None:  # a non-pipelined model: its whole state, by its own names
+        return model_state["module"][name]
     match = _LAYER_NAME.match(name)
     if match is None:  # a tied module's parameter: DeepSpeed's layer files skip it, the model state holds it
         weights = model_state.get("tied_weights") or {}
