@@ -221,6 +221,7 @@ class ZeroStep(_PartitionedStep):
         self.engine, self.opt = engine, engine.optimizer
         self.steps_over_replicas = engine.dp_world_size > 1  # the all-gather of the updated partitions
         self._grads = None  # per group: the flat fp32 gradient partition this step steps from
+        self._buffers = {}  # group -> (its gradient buffer, a view of it per parameter): `_flat_in_place`
 
     def group(self):
         opt = self.opt
@@ -247,9 +248,14 @@ class ZeroStep(_PartitionedStep):
         if dist.get_world_size(group=opt.dp_process_group) > 1:  # (over one rank: the same tensor)
             dist.all_reduce(squares, group=opt.dp_process_group)
         self._grads = []
+        in_place = master_is_weights(opt)
         for i in range(len(opt.bit16_groups)):
-            # gradients accumulated in place (one data-parallel rank): the next step's first written into them
-            keep_spare_grads((p, p.grad) for p in opt.params_in_partition[i])
+            if in_place:
+                self._grads.append(self._flat_in_place(i))
+                opt.free_grad_in_param_list(opt.params_in_partition[i])
+                opt.averaged_gradients[i] = None
+                opt.all_grad_tensors[i] = None
+                continue
             opt.free_grad_in_param_list(opt.params_not_in_partition[i])
             partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
             if partition_id == dist.get_world_size(group=opt.real_dp_process_group[i]) - 1:
@@ -261,6 +267,30 @@ class ZeroStep(_PartitionedStep):
             opt.averaged_gradients[i] = None
             opt.all_grad_tensors[i] = None
         return squares
+
+    def _flat_in_place(self, group):
+        """The flattened gradient partition of `group` where the weights are the fp32 master partition (one
+        data-parallel rank: lean_step.share_master_weights), in a buffer kept from step to step in the master's
+        layout: each parameter's gradient at its weight's offset, the padding zero, as the flatten of
+        `averaged_gradients` lays them out. A gradient already in its place is not copied: each parameter's place is
+        its spare gradient tensor (weight_grad.spare_grads), so from the second step on in-place accumulation writes
+        the linear layers' gradients there, and only what autograd accumulated (embeddings, norms) is copied in."""
+        opt = self.opt
+        if group not in self._buffers:
+            master = opt.single_partition_of_fp32_groups[group]
+            buffer = torch.zeros(master.shape, dtype=master.dtype, device=master.device)
+            views = [buffer.narrow(0, (p.data_ptr() - master.data_ptr()) // p.element_size(), p.numel()).view_as(p)
+                     for p in opt.params_in_partition[group]]
+            self._buffers[group] = buffer, views
+        buffer, views = self._buffers[group]
+        params = opt.params_in_partition[group]
+        for p, place in zip(params, views):
+            if p.grad is None:
+                place.zero_()  # as the flatten's zeros for a parameter without a gradient
+            elif p.grad.data_ptr() != place.data_ptr():
+                place.copy_(p.grad)
+        keep_spare_grads(zip(params, views))  # (where in-place accumulation keeps spares)
+        return buffer
 
     def norm(self, squares):
         """scaled_global_norm's: each group's root (an invalid one masked to -1), combined over groups."""
@@ -299,6 +329,8 @@ class ZeroStep(_PartitionedStep):
 
     def set_aside(self):
         grads, self._grads = self._grads, None
+        if master_is_weights(self.opt):  # the next step's gradients accumulate into the buffers: a copy aside
+            grads = [g.clone() for g in grads]
         return grads
 
     def bring_back(self, grads):
