@@ -1,16 +1,20 @@
 """How fast the schedule simulator is: instructions simulated per second from p = 4 to 64 (m = 4p), the whole
-schedule table, and the chooser on a synthetic profile.
+schedule table, the chooser on a synthetic profile, and the explorer's answer to a change of inputs.
 
     python scripts/benchmark_simulator.py [--stages 4 8 16 32 64] [--schedules 1f1b zb-h1 interleaved zb-v v-min]
-        [--table 16 32 64] [--choose 64] [--out runs/simulator] [--docs]
+        [--table 16 32 64] [--choose 64] [--page 16] [--rounds 5] [--out runs/simulator] [--docs]
 
-Each figure is measured cold, as a first call pays it: the streams compiled by the simulator and the orders the
-definitions keep are dropped before it. Instructions simulated: every rank's instructions in both runs that
-`simulate` makes (one synchronised iteration and `iterations` = 5 chained ones). The table: `schedule_table.py
---stages P --micro-batches 4P` as a command (its process start and imports included), then its rows in this
-process. The chooser: `choose_schedule.py --profile FILE --stages P --micro-batches 4P` as a command, on a
-synthetic profile of 2P + 2 layers (an embedding with most of the parameters, a head three times a block's cost,
-so that the three cuts differ). Writes JSON; states the machine.
+Each figure but the replays is measured cold, as a first call pays it: the structures and streams kept by the
+simulator and the orders the definitions keep are dropped before it. Instructions simulated: every rank's
+instructions in both runs that `simulate` makes (one synchronised iteration and `iterations` = 5 chained ones).
+A replay: the same call again at other costs (the schedule's structure kept, its timing replayed). The table:
+`schedule_table.py --stages P --micro-batches 4P` as a command (its process start and imports included), then its
+rows in this process. The chooser: `choose_schedule.py --profile FILE --stages P --micro-batches 4P` as a command,
+on a synthetic profile of 2P + 2 layers (an embedding with most of the parameters, a head three times a block's
+cost, so that the three cuts differ). The page: the explorer's server (`serve()`, its worker processes) asked for
+every registered schedule at p = P, m = 4P at once, as the page asks when all are ticked, one synchronised step
+and chained: the time until every answer is in, for inputs it has not seen at that p and m (first), then for
+`--rounds` changes of the costs. Writes JSON; states the machine.
 """
 import argparse
 import contextlib
@@ -33,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     p.add_argument("--table", type=int, nargs="*", default=[16, 32, 64], help="p of the timed schedule tables")
     p.add_argument("--choose", type=int, nargs="*", default=[64], help="p of the timed chooser runs")
+    p.add_argument("--page", type=int, nargs="*", default=[16], help="p of the timed explorer answers")
+    p.add_argument("--rounds", type=int, default=5, help="changes of the costs timed on the explorer")
     p.add_argument("--out", default="runs/simulator")
     p.add_argument("--docs", action="store_true", help="also publish docs/bench/simulator.json, docs/benchmarks.md")
     return p.parse_args(argv)
@@ -55,23 +61,30 @@ def load_average():
 
 
 def forget():
-    """Drop what earlier calls left for later ones: compiled streams, the definitions' orders, balanced cuts."""
+    """Drop what earlier calls left for later ones: structures and compiled streams, the definitions' orders,
+    balanced cuts."""
     from schedules.definitions.controllable_memory import _orders
     from schedules.planner import compose
     from schedules.simulator import simulate
     simulate._PROGRAMS.clear()
+    simulate._STRUCTURES.clear()
     _orders.cache_clear()
     compose._BALANCED.clear()
 
 
 def scaling_row(name, stages):
+    """A cold call of `simulate` at p = stages, m = 4p, then the same at other costs (a replay)."""
     from schedules.simulator.simulate import simulate
     forget()
     started, cpu = time.perf_counter(), time.process_time()
     result = simulate(name, stages, 4 * stages)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    costs = {(r, c): {"F": 1.0 + 0.01 * r, "B": 1.5, "W": 0.5} for r in range(stages) for c in range(2)}
+    replay = time.process_time()
+    simulate(name, stages, 4 * stages, costs=costs, latency=0.1)
+    replay = time.process_time() - replay
     return {"schedule": name, "stages": stages, "micro_batches": 4 * stages, "instructions": result.instructions,
-            "seconds": seconds, "cpu_s": cpu, "per_second": result.instructions / cpu}
+            "seconds": seconds, "cpu_s": cpu, "per_second": result.instructions / cpu, "replay_cpu_s": replay}
 
 
 def synthetic_profile(stages):
@@ -130,6 +143,43 @@ def choose_row(stages, folder):
             "candidates": len(choice.ranked) + len(choice.dropped), "pick": choice.pick.label, "summary": last}
 
 
+def page_row(stages, chained, rounds):
+    """The explorer's server asked for every schedule at once (p = stages, m = 4p): seconds until every answer is
+    in, for inputs it has not seen at this p and m, then for `rounds` changes of the costs (F)."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from schedules.planner import explore
+    from schedules.registry import available_schedules
+    names = list(available_schedules())
+    forget()
+    server, url = explore.serve()
+
+    def post(body):  # the answer as bytes: parsing it here would cost this process (the server's) its time
+        req = urllib.request.Request(url + "api/simulate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as answer:
+            return answer.read()
+
+    def ask(f):  # as the page asks: one request per schedule, all at once
+        asks = [{"schedule": n, "p": stages, "m": 4 * stages, "v": 2, "F": f, "B": 1.0, "W": 1.0, "comm": 0.0,
+                 "chained": chained, "split": True, "dependencies": False} for n in names]
+        with ThreadPoolExecutor(len(asks)) as pool:
+            started = time.perf_counter()
+            answers = list(pool.map(post, asks))
+        return time.perf_counter() - started, sum(b'"error":null' in a for a in answers)
+
+    try:
+        first, simulated = ask(1.0)
+        changes = [ask(1.0 + 0.25 * (i + 1))[0] for i in range(rounds)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    return {"stages": stages, "micro_batches": 4 * stages, "chained": chained, "schedules": len(names),
+            "simulated": simulated, "workers": len(server.pools or ()), "first_s": first, "changes_s": changes,
+            "median_s": sorted(changes)[len(changes) // 2], "slowest_s": max(changes)}
+
+
 def report(record):
     lines = [f"{record['machine']}; load average {record['load_average'][0]} at the start, "
              f"{record['load_end'][0]} at the end",
@@ -142,6 +192,12 @@ def report(record):
             r = by.get((name, p))
             cells.append(f"{r['per_second'] / 1e3:7.0f}k {r['cpu_s']:6.2f}s" if r else f"{'-':>16}")
         lines.append(f"{name:12} " + " ".join(cells))
+    if any("replay_cpu_s" in r for r in record["scaling"]):
+        lines.append("the same call at other costs, its structure kept (CPU seconds):")
+        for name in record["args"]["schedules"]:
+            cells = [f"{by[(name, p)]['replay_cpu_s']:16.3f}" if (name, p) in by else f"{'-':>16}"
+                     for p in record["args"]["stages"]]
+            lines.append(f"{name:12} " + " ".join(cells))
     for t in record["table"]:
         lines.append(f"schedule table p = {t['stages']}, m = {t['micro_batches']}: {t['command_s']:.1f} s as a "
                      f"command ({t['command_cpu_s']:.1f} s CPU), {t['rows_s']:.1f} s its rows "
@@ -150,6 +206,11 @@ def report(record):
         lines.append(f"choose_schedule p = {c['stages']}, m = {c['micro_batches']} ({c['layers']} layers): "
                      f"{c['command_s']:.1f} s as a command ({c['command_cpu_s']:.1f} s CPU), {c['choose_s']:.1f} s "
                      f"choose() ({c['choose_cpu_s']:.1f} s CPU; {c['candidates']} candidates, pick {c['pick']})")
+    for g in record.get("page", []):
+        lines.append(f"explorer p = {g['stages']}, m = {g['micro_batches']}, {g['schedules']} schedules"
+                     f"{', chained' if g['chained'] else ''}: {g['first_s'] * 1e3:.0f} ms new p and m, a change of "
+                     f"inputs {g['median_s'] * 1e3:.0f} ms median, {g['slowest_s'] * 1e3:.0f} ms slowest of "
+                     f"{len(g['changes_s'])} ({g['workers']} workers)")
     return "\n".join(lines)
 
 
@@ -169,6 +230,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="simulator-bench-") as folder:
         for p in args.choose:
             record["choose"].append(choose_row(p, folder))
+    record["page"] = [page_row(p, chained, args.rounds) for p in args.page for chained in (False, True)]
     record["took_s"] = time.perf_counter() - started
     record["load_end"] = load_average()
     print(report(record))

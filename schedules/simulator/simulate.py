@@ -23,7 +23,8 @@ never an engine.
 import gc
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, count
+from operator import itemgetter
 from typing import Optional
 
 import numpy as np
@@ -207,11 +208,21 @@ class _Compiler:
         self.placement, self.rank = placement, rank
         self.memo = {}
         self.chunk_of = None if type(placement).chunk_of is not Placement.chunk_of else True
+        # the types compiled directly here: those whose handler is still this module's, the chunk from the kwargs
+        self.direct = {t: fast for t, fast in _FAST.items()
+                       if self.chunk_of and (placement.handlers.get(t) or _HANDLERS.get(t)) is _BUILT_IN.get(t)}
 
     def compile(self, step, instr):
         """The entry of one instruction: (step, instr, effects, paired). A handler's error is raised when the rank
         reaches the instruction, as the engine would."""
         t = type(instr)
+        fast = self.direct.get(t)
+        if fast is not None:
+            kw = instr.kwargs
+            try:
+                return step, instr, fast(self, instr, kw.get('chunk', kw.get('phase', 0))), t is ForwardBackwardPass
+            except Exception as error:  # noqa: BLE001 -- as below
+                return step, instr, ((_RAISE, error), ), False
         pl = self.placement
         handler = pl.handlers.get(t) or _HANDLERS.get(t)
         if handler is None:
@@ -462,14 +473,15 @@ class _Program:
     def finish(self, nodes):
         table = np.fromiter(chain.from_iterable(nodes), dtype=np.int64, count=3 * len(nodes)).reshape(-1, 3)
         self.A, self.B, self.K = (np.ascontiguousarray(table[:, i]) for i in range(3))
-        index = {}
-        self.key_of = np.array([index.setdefault((t[0], t[3], t[1]), len(index)) for t in self.passes],
-                               dtype=np.int64)
-        sizes = {(t[0], t[3], t[1]): t[11] for t in self.passes}
+        index, n = {}, len(self.passes)
+        keys = list(map(itemgetter(0, 3, 1), self.passes))  # (rank, chunk, kind)
+        self.key_of = np.fromiter(map(index.setdefault, keys, count()), dtype=np.int64, count=n)
+        self.key_of = np.unique(self.key_of, return_inverse=True)[1]  # numbered in order of first use
+        sizes = dict(zip(keys, map(itemgetter(11), self.passes)))
         self.keys = [(rank, chunk, kind, sizes[rank, chunk, kind]) for rank, chunk, kind in index]
-        self.rank_of = np.array([t[0] for t in self.passes], dtype=np.int64)
-        self.starts = np.array([t[9] for t in self.passes], dtype=np.int64)
-        self.stops = np.array([t[10] for t in self.passes], dtype=np.int64)
+        self.rank_of = np.fromiter(map(itemgetter(0), self.passes), dtype=np.int64, count=n)
+        self.starts = np.fromiter(map(itemgetter(9), self.passes), dtype=np.int64, count=n)
+        self.stops = np.fromiter(map(itemgetter(10), self.passes), dtype=np.int64, count=n)
         return self
 
     def size(self):
@@ -1264,10 +1276,13 @@ class _Replayed:
         rows = [[] for _ in range(self.ranks)]
         its = self.run_iteration
         for prog, run0, starts, stops, pairs in self.segments:
-            for (rank, kind, stage, chunk, mb, direction, pair, paired, run, _, _, _, _), start, stop in zip(
-                    prog.passes, starts.tolist(), stops.tolist()):
-                rows[rank].append(Pass(kind, stage, chunk, mb, start, stop, direction,
-                                       pairs[pair] if paired and pairs else pair, its[run0 + run]))
+            order, bounds, kind, stage, chunk, mb, direction, pair, paired, run = _columns(prog)
+            if pairs:
+                pair = [pairs[x] if y else x for x, y in zip(pair, paired)]
+            made = list(map(Pass, kind, stage, chunk, mb, starts[order].tolist(), stops[order].tolist(), direction,
+                            pair, [its[run0 + r] for r in run]))
+            for r, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                rows[r] += made[lo:hi]
         return rows
 
     def busy(self):
@@ -1275,6 +1290,18 @@ class _Replayed:
         prog, _, starts, stops, _ = self.segments[0]
         durations = stops - starts
         return [sum(durations[prog.rank_of == r].tolist()) for r in range(self.ranks)]
+
+
+def _columns(prog):
+    """The passes of `prog` rank by rank (each in its order): that order, where each rank's start, and their
+    kind, stage, chunk, micro-batch, direction, pair, paired, run as lists. Kept with the program."""
+    found = prog.variants.get('columns')
+    if found is None:
+        order = np.argsort(prog.rank_of, kind='stable')
+        bounds = np.searchsorted(prog.rank_of[order], np.arange(prog.ranks + 1)).tolist()
+        ranked = [prog.passes[i] for i in order.tolist()]
+        found = prog.variants['columns'] = (order, bounds, *(list(map(itemgetter(i), ranked)) for i in range(1, 9)))
+    return found
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,

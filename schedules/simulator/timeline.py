@@ -45,11 +45,11 @@ class Timeline:
                 if iteration is None or p.iteration == iteration]
 
     def iterations(self):
-        return sorted({p.iteration for _, p in self.passes()})
+        return sorted({p.iteration for row in self.ranks for p in row})
 
     def span(self, iteration=None):
         """(first start, last end) over all ranks."""
-        passes = [p for _, p in self.passes(iteration)]
+        passes = [p for row in self.ranks for p in row if iteration is None or p.iteration == iteration]
         if not passes:
             return (0.0, 0.0)
         return (min(p.start for p in passes), max(p.end for p in passes))
