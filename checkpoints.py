@@ -47,7 +47,16 @@ def run_record(args, cfg, world):
             "zero_stage": cfg.get("zero_optimization", {}).get("stage", 0), "optimizer": cfg["optimizer"]["type"],
             "bf16": bool(cfg.get("bf16", {}).get("enabled", False)),
             "micro_batch_size": cfg["train_micro_batch_size_per_gpu"],
-            "gradient_accumulation_steps": cfg["gradient_accumulation_steps"]}
+            "gradient_accumulation_steps": cfg["gradient_accumulation_steps"],
+            **({"vocab_rows": split_rows(pp)} if model.get("vocab_parallel") else {})}
+
+
+def split_rows(parts, layout=True):
+    """The rows of GPTlite's split head's slices at `parts` ranks (`layout=False`: the even split, as checkpoints
+    written before the slices' layout have it)."""
+    from gptlite import MODEL_SIZES
+    from schedules.runtime.vocab_parallel import slice_layout
+    return slice_layout(MODEL_SIZES["tiny"].vocab_size, parts, recompute=layout)[0]
 
 
 def check_resume(args, cfg, world):
@@ -176,6 +185,10 @@ def layout_changes(saved, now, cut=None):
         changes.append("--vocab-parallel " + ("on -> off" if saved["model"].get("vocab_parallel") else "off -> on"))
     if now["bf16"] != saved["bf16"]:
         changes.append("--bf16 " + ("on -> off" if saved["bf16"] else "off -> on"))
+    if "vocab_rows" in now and saved["model"].get("vocab_parallel") and not changes:
+        rows = saved.get("vocab_rows") or split_rows(saved["pipeline_parallel_size"], layout=False)
+        if rows != now["vocab_rows"]:
+            changes.append(f"the split head's rows {rows} -> {now['vocab_rows']}")
     if changes:
         return changes  # the layers are cut anew anyway
     if cut is not None and saved.get("layer_cut") not in (None, [int(i) for i in cut]):

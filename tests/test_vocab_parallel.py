@@ -225,6 +225,12 @@ def test_a_resume_takes_the_head_split_or_whole():
     assert layout_changes(record, whole) == ["--vocab-parallel on -> off"]
     assert layout_changes(whole, record) == ["--vocab-parallel off -> on"]
     assert layout_changes(record, record) == []
+    # a checkpoint of the even split (written before the slices' layout, its record without rows) moves too
+    from checkpoints import split_rows
+    laid_out = {**record, "vocab_rows": split_rows(2)}
+    assert layout_changes(record, laid_out) == [f"the split head's rows {split_rows(2, layout=False)} -> "
+                                                f"{split_rows(2)}"]
+    assert layout_changes(laid_out, laid_out) == [] and split_rows(2) != split_rows(2, layout=False)
     deeper = {**whole, "model": {**whole["model"], "layers": 8}}
     assert resume_refusal(record, deeper) == "holds another model: pass --model-size tiny (with 7 layers, the head " \
                                              "whole)"
