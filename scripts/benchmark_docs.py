@@ -1067,9 +1067,13 @@ def simulator_section(doc):
     """Instructions simulated per second from p = 4 to 64 (m = 4p), the whole schedule table, the chooser."""
     a = doc["args"]
     by = {(r["schedule"], r["stages"]): r for r in doc["scaling"]}
+    replays = all("replay_cpu_s" in r for r in doc["scaling"])  # the same call at other costs
+
+    def cell(r):
+        again = f"; {r['replay_cpu_s']:.2f} s" if replays else ""
+        return f"{r['per_second'] / 1e3:.0f}k ({r['cpu_s']:.2f} s{again})"
     rows = [[p, 4 * p, max(r["instructions"] for r in doc["scaling"] if r["stages"] == p)]
-            + [f"{by[(n, p)]['per_second'] / 1e3:.0f}k ({by[(n, p)]['cpu_s']:.2f} s)" if (n, p) in by else "-"
-               for n in a["schedules"]] for p in a["stages"]]
+            + [cell(by[(n, p)]) if (n, p) in by else "-" for n in a["schedules"]] for p in a["stages"]]
     runs = [["`schedule_table.py`", t["stages"], t["micro_batches"],
              f"{t['command_s']:.1f} / {t['command_cpu_s']:.1f}", f"{t['rows_s']:.1f} / {t['rows_cpu_s']:.1f}"]
             for t in doc["table"]]
@@ -1077,19 +1081,26 @@ def simulator_section(doc):
               c["micro_batches"], f"{c['command_s']:.1f} / {c['command_cpu_s']:.1f}",
               f"{c['choose_s']:.1f} / {c['choose_cpu_s']:.1f}"] for c in doc["choose"]]
     flags = [("--stages", a["stages"]), ("--schedules", a["schedules"]), ("--table", a["table"]),
-             ("--choose", a["choose"])]
+             ("--choose", a["choose"])] + ([("--page", a["page"])] if "page" in a else [])
+    replayed = ("; after them, the CPU seconds of the same call at other costs, the schedule's structure kept and its "
+                "timing replayed") if replays else ""
     return blocks(["## The simulator's speed", code(command("benchmark_simulator.py", flags) + " --docs"), para(f"""
         On {doc['machine']} (load average {doc['load_average'][0]:g} when it started, {doc['load_end'][0]:g} when it
         ended: other work shared the cores). Each figure is a first call, cold: the simulator compiles the schedule's
         streams and the definitions build their orders within it. Instructions simulated: every rank's, in the
         synchronised iteration and the 5 chained ones `simulate` runs; per second of the process's CPU time, and the
-        CPU seconds of the call (the most instructions at each p are the largest schedule's)."""),
+        CPU seconds of the call (the most instructions at each p are the largest schedule's){replayed}."""),
         table(["p", "m", "instructions (most)"] + [f"`{n}`" for n in a["schedules"]], rows), para("""
         The whole schedule table (every registered schedule, `--micro-batches 4p`) and the chooser (every trainable
         schedule, v and cut, on a synthetic profile whose three cuts differ), as commands (the interpreter's start
         and the imports of torch and DeepSpeed included) and in the process (`schedule_table.rows`,
         `schedules.choose`), seconds elapsed / of CPU (the command's own process and its children):"""),
-        table(["run", "p", "m", "as a command", "in the process"], runs),
+        table(["run", "p", "m", "as a command", "in the process"], runs)] + ([para("""
+        The explorer's server (`serve()`, its worker processes) asked for every registered schedule at once, as the
+        page asks when all are ticked: seconds until every answer is in, for inputs new at that p and m, and for
+        changes of the costs (median and slowest):"""), table(["p", "m", "steps", "new p and m", "a change of inputs"],
+        [[g["stages"], g["micro_batches"], "chained" if g["chained"] else "one", f"{g['first_s']:.2f}",
+          f"{g['median_s']:.2f} / {g['slowest_s']:.2f}"] for g in doc["page"]])] if doc.get("page") else []) + [
         para("Raw numbers: [`bench/simulator.json`](bench/simulator.json).")])
 
 
