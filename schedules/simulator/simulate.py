@@ -1268,17 +1268,19 @@ class _Replayed:
         self.clocks = [0.0] * ranks
         self.iteration_end = [{} for _ in range(ranks)]
         self.validation_waits = [{} for _ in range(ranks)]
-        self.segments = []  # (program, first run, starts, stops, {pair id: replayed pair id} or None)
+        self.segments = []  # (program, first run, starts, stops)
         self.run_iteration = None
         self.instructions = 0
 
     def passes(self):
         rows = [[] for _ in range(self.ranks)]
         its = self.run_iteration
-        for prog, run0, starts, stops, pairs in self.segments:
+        programs = [(prog, run0) for prog, run0, _, _ in self.segments]
+        renumber = _pair_numbers(programs) if len(programs) > 1 and programs[0][0].fetch else None
+        for n, (prog, run0, starts, stops) in enumerate(self.segments):
             order, bounds, kind, stage, chunk, mb, direction, pair, paired, run = _columns(prog)
-            if pairs:
-                pair = [pairs[x] if y else x for x, y in zip(pair, paired)]
+            if renumber:
+                pair = [renumber[n][x] if y else x for x, y in zip(pair, paired)]
             made = list(map(Pass, kind, stage, chunk, mb, starts[order].tolist(), stops[order].tolist(), direction,
                             pair, [its[run0 + r] for r in run]))
             for r, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
@@ -1287,7 +1289,7 @@ class _Replayed:
 
     def busy(self):
         """Each rank's passes' time, summed as Timeline.busy sums it (in its order)."""
-        prog, _, starts, stops, _ = self.segments[0]
+        prog, _, starts, stops = self.segments[0]
         durations = stops - starts
         return [sum(durations[prog.rank_of == r].tolist()) for r in range(self.ranks)]
 
@@ -1321,7 +1323,6 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     nonneg = latency >= 0 and recv_cpu >= 0
     common = (all(x == 0 for x in dispatches), send_cpu == 0, recv_cpu == 0, all(b == 0 for b, _ in parts),
               all(a == 0 for _, a in parts))
-    renumber = _pair_numbers(segments) if len(segments) > 1 and first.fetch else None
     carry = [0.0] * p
     lists = {}  # a variant's nodes as lists, and the params of its last replay with them (the steady runs share them)
     for n, (prog, run0) in enumerate(segments):
@@ -1350,8 +1351,7 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
             out.iteration_end[r][run0 + run] = float(t[where[node]])
         for run, r, arrived, clock in prog.validation:
             out.validation_waits[r][run0 + run] = max(0.0, float(t[where[arrived]]) - float(t[where[clock]]))
-        pairs = renumber[n] if renumber else None
-        out.segments.append((prog, run0, t[where[prog.starts]], t[where[prog.stops]], pairs))
+        out.segments.append((prog, run0, t[where[prog.starts]], t[where[prog.stops]]))
         carry = t[where[np.array(prog.ends, dtype=np.int64)]].tolist()
     out.clocks = carry
     out.instructions = sum(prog.instructions for prog, _ in segments)
