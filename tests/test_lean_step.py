@@ -121,13 +121,14 @@ def test_zero_0_clipping_by_the_global_norm_matches_non_pipelined(schedule, sgd_
 
 
 @pytest.mark.multiprocess
-def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself():
-    """ZeRO 1 in fp32 with one data-parallel rank (the shipped config's optimizer, clipping that bites): our engine
-    hands DeepSpeed's ZeRO-1 optimizer the gradients its reduction would (tests/zero1_probe.py), removes its
+@pytest.mark.parametrize("clip", [0.05, 1e3])
+def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself(clip):
+    """ZeRO 1 in fp32 with one data-parallel rank (the shipped config's optimizer; clipping that bites, or not): our
+    engine hands DeepSpeed's ZeRO-1 optimizer the gradients its reduction would (tests/zero1_probe.py), removes its
     gradient hooks, accumulates in place and keeps the weights in the optimizer's fp32 master partition. Three steps
     end with the same fp32 master weights and Adam moments, bit for bit, as DeepSpeed's own reduction gives (with
     and without in-place accumulation), the same losses and norm."""
-    run = launch(2, [], script="tests/zero1_probe.py", timeout=240)
+    run = launch(2, [clip], script="tests/zero1_probe.py", timeout=240)
     assert run.ok, run.explain()
     for out in run.stdout:
         seen = __import__("json").loads([line for line in out.splitlines() if line.startswith("{")][-1])
@@ -136,7 +137,7 @@ def test_zero_1_with_one_replica_hands_deepspeed_its_gradients_itself():
         assert seen["lean"]["lean"] and seen["lean"]["in_place"] and seen["lean"]["hooks"] == 0
         assert seen["lean"]["weights_are_master"] and not reference["weights_are_master"]
         assert seen["lean-not-in-place"]["lean"] and not seen["lean-not-in-place"]["in_place"]
-        assert reference["norm"] > 0.05  # the clipping bites
+        assert (reference["norm"] > clip) == (clip < 1)  # the clipping bites, or not
         exact = seen["lean-not-in-place"]
         assert exact["master_equal"] and exact["moments_equal"] and exact["losses"] == reference["losses"]
         assert seen["lean"]["master_diff"] < 1e-6

@@ -1,6 +1,6 @@
 """One rank of a 2-stage GPTlite pipeline (zb-h1) at ZeRO 1 in fp32 with one data-parallel rank: the shipped config's
-optimizer (DeepSpeed's ZeRO-1, torch's fused AdamW, clipping that bites), trained three steps three ways from the
-same weights and micro-batches:
+optimizer (DeepSpeed's ZeRO-1, torch's fused AdamW), clipping at argv[1] (0.05 bites), trained three steps three ways
+from the same weights and micro-batches:
 
 - `lean`: as our engines run it (lean_step.zero1_one_replica): ReduceGrads hands the optimizer its gradients, its
   gradient hooks removed, weight gradients accumulated in place, the weights views of its fp32 master partition;
@@ -13,6 +13,7 @@ losses; and, against `deepspeed`, whether the fp32 master partition (the weights
 equal bit for bit, and their largest difference.
 """
 import json
+import sys
 from datetime import timedelta
 
 import deepspeed
@@ -29,7 +30,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
           "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
 
-def build(mode):
+def build(mode, clip):
     real_lean, real_in_place = lean_step.zero1_one_replica, split_engine.accumulates_in_place
     if mode == "deepspeed":
         lean_step.zero1_one_replica = lambda engine: False
@@ -39,7 +40,7 @@ def build(mode):
         model = gptlite.get_model(pipeline_num_stages=2, model_size="tiny", seed=3,
                                   pipe_module=schedules.pipe_module("zb-h1"))
         engine, *_ = schedules.initialize("zb-h1", model=model, model_parameters=list(model.parameters()),
-                                          config=dict(CONFIG))
+                                          config=dict(CONFIG, gradient_clipping=clip))
     finally:
         lean_step.zero1_one_replica, split_engine.accumulates_in_place = real_lean, real_in_place
     return engine
@@ -54,14 +55,14 @@ def state(engine):
     return master, moments
 
 
-def main():
+def main(clip):
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     g = torch.Generator().manual_seed(0)
     steps = [[(torch.randint(0, 50257, (2, 32), generator=g), torch.randint(0, 50257, (2, 32), generator=g))
               for _ in range(4)] for _ in range(3)]
     seen = {}
     for mode in MODES:
-        engine = build(mode)
+        engine = build(mode, clip)
         losses = [engine.train_batch(iter(batches)).item() for batches in steps]
         seen[mode] = {"lean": engine._lean_zero1(), "in_place": engine._in_place,
                       "weights_are_master": lean_step.master_is_weights(engine.optimizer),
@@ -81,4 +82,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(float(sys.argv[1]))

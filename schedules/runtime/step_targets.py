@@ -222,6 +222,7 @@ class ZeroStep(_PartitionedStep):
         self.steps_over_replicas = engine.dp_world_size > 1  # the all-gather of the updated partitions
         self._grads = None  # per group: the flat fp32 gradient partition this step steps from
         self._buffers = {}  # group -> (its gradient buffer, a view of it per parameter): `_flat_in_place`
+        self._scratch = None  # a gradient in the norm's dtype (`_in_norm_dtype`)
 
     def group(self):
         opt = self.opt
@@ -234,10 +235,22 @@ class ZeroStep(_PartitionedStep):
             if getattr(p, 'ds_pipe_replicated', False):
                 continue
             if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
-                counted.append(torch.linalg.vector_norm(g.data.to(get_norm_dtype()).detach(), ord=2.0))
+                counted.append(torch.linalg.vector_norm(self._in_norm_dtype(g.data.detach()), ord=2.0))
         if not counted:
             return torch.tensor(0.0, dtype=torch.float32)
         return torch.stack(counted).pow(2.0).sum().float()
+
+    def _in_norm_dtype(self, grad):
+        """`grad.to(get_norm_dtype())` (fp64), as DeepSpeed's norm takes it, written into a buffer kept from step to
+        step: the same values, without a new gradient-sized allocation per parameter and step, whose first touch is
+        most of the conversion's time on a CPU (3 of a deep-model stage's 4.4 ms of norms)."""
+        dtype = get_norm_dtype()
+        if grad.dtype == dtype:
+            return grad
+        n = grad.numel()
+        if self._scratch is None or self._scratch.numel() < n or self._scratch.device != grad.device:
+            self._scratch = torch.empty(n, dtype=dtype, device=grad.device)
+        return self._scratch[:n].view(grad.shape).copy_(grad)
 
     def local_squares(self):
         """Each group's squared norm of this stage (a vector, a group each), summed over the replicas; then the
@@ -304,6 +317,16 @@ class ZeroStep(_PartitionedStep):
             return float("inf")
         return 1.0 / float(((self.norm(squares) / self.opt.loss_scale) + 1e-6) / self.opt.clip_grad)
 
+    def _scales_by_one(self, norm):
+        """Whether unscale_and_clip_grads would multiply the gradients by exactly 1 (no loss scale, and a norm that
+        does not clip: its clamped `clip` is 1): an identity, left out."""
+        opt = self.opt
+        if opt.loss_scale != 1.0:
+            return False
+        if opt.clip_grad <= 0.0:
+            return True
+        return bool(torch.clamp(((norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0) == 1.0)
+
     def _stepped(self):
         # (the weights, where they are the master partition itself, once: lean_step.share_master_weights)
         weights = [] if master_is_weights(self.opt) else self.opt.bit16_groups_flat
@@ -317,7 +340,7 @@ class ZeroStep(_PartitionedStep):
         for i, grad in enumerate(self._grads):
             fp32_partition = opt.single_partition_of_fp32_groups[i]
             fp32_partition.grad = grad
-            if norm is not None:  # (unclipped, it would scale by exactly 1)
+            if norm is not None and not self._scales_by_one(norm):  # (unclipped: by exactly 1 too)
                 opt.unscale_and_clip_grads([grad], norm)
             opt._optimizer_step(i)
             fp32_partition.grad = None
