@@ -468,3 +468,34 @@ def test_a_call_at_other_costs_replays_the_kept_structure(monkeypatch):
     assert again.period < again.makespan
     simulate('zb-v', 4, 8, validation='wait')  # another structure: one iteration's streams run, the rest replayed
     assert [sim.program.runs for sim in runs] == [1]
+
+
+def test_pass_columns_are_the_timelines_and_the_explorer_draws_the_same_from_them():
+    """SimResult.pass_columns: the timeline's passes without building them, in its order; the explorer draws a
+    schedule from them (no arrows asked) exactly as from its Timeline (arrows asked): the same JSON."""
+    import json
+
+    from schedules.planner import explore
+    for name in registry.available_schedules():
+        for p, m in ((2, 4), (4, 8), (5, 10), (8, 16)):
+            try:
+                r = simulate(name, p, m, costs=costs_of(p, 1), latency=0.25)
+            except ValueError:
+                continue
+            for chained, timeline in ((False, r.timeline), (True, r.chained)):
+                c, meta = r.pass_columns(chained)
+                rows = [(q.kind, q.stage, q.chunk, q.micro_batch, q.start, q.end, q.direction, q.pair, q.iteration)
+                        for row in timeline.ranks for q in row]
+                assert meta == timeline.meta
+                assert c['rank'].tolist() == [rank for rank, row in enumerate(timeline.ranks) for _ in row]
+                at = c['at'].tolist()
+                assert list(zip(*([c[k][i] for i in at] for k in ('kind', 'stage', 'chunk', 'micro_batch')),
+                                c['start'].tolist(), c['end'].tolist(), *([c[k][i] for i in at]
+                                                                          for k in ('direction', 'pair')),
+                                c['iteration'].tolist())) == rows
+            for chained in (False, True):
+                v = 2 if name == 'interleaved' else None
+                fast = explore._simulated.__wrapped__(name, p, m, v, 1.5, 0.75, 0.5, 0.1, chained, False)
+                slow = explore._simulated.__wrapped__(name, p, m, v, 1.5, 0.75, 0.5, 0.1, chained, True)
+                slow.pop('dependencies')
+                assert json.dumps(fast) == json.dumps(slow), (name, p, m, chained)

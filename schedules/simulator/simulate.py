@@ -1287,6 +1287,33 @@ class _Replayed:
                 rows[r] += made[lo:hi]
         return rows
 
+    def columns(self):
+        """The passes as columns in the timeline's order (rank by rank, each in its order), without a Pass object
+        each: numpy arrays `rank`, `start`, `end`, `iteration`, `key` (of (rank, chunk, kind, chunk size) in
+        `keys`), and the lists `kind`, `stage`, `chunk`, `micro_batch`, `direction`, `pair` in another order,
+        `at[i]` being the timeline's pass i there. None when the segments count their passes differently."""
+        keys = self.segments[0][0].keys
+        if any(prog.keys is not keys for prog, _, _, _ in self.segments):
+            return None
+        programs = [(prog, run0) for prog, run0, _, _ in self.segments]
+        renumber = _pair_numbers(programs) if len(programs) > 1 and programs[0][0].fetch else None
+        out = {name: [] for name in ('rank', 'start', 'end', 'iteration', 'key')}
+        lists = {name: [] for name in ('kind', 'stage', 'chunk', 'micro_batch', 'direction', 'pair')}
+        its = np.array(self.run_iteration, dtype=np.int64)
+        for n, (prog, run0, starts, stops) in enumerate(self.segments):
+            order, _, kind, stage, chunk, mb, direction, pair, paired, run = _columns(prog)
+            if renumber:
+                pair = [renumber[n][x] if y else x for x, y in zip(pair, paired)]
+            for name, column in zip(('rank', 'start', 'end', 'iteration', 'key'),
+                                    (prog.rank_of[order], starts[order], stops[order], its[run0 + np.array(run)],
+                                     prog.key_of[order])):
+                out[name].append(column)
+            for name, column in zip(lists, (kind, stage, chunk, mb, direction, pair)):
+                lists[name] += column
+        out = {name: np.concatenate(columns) for name, columns in out.items()}
+        at = np.argsort(out['rank'], kind='stable')  # each segment rank by rank: the segments' blocks of a rank
+        return dict({name: column[at] for name, column in out.items()}, at=at, keys=keys, **lists)
+
     def busy(self):
         """Each rank's passes' time, summed as Timeline.busy sums it (in its order)."""
         prog, _, starts, stops = self.segments[0]
@@ -1390,6 +1417,15 @@ class SimResult:
 
     def worst(self, key):
         return max(row[key] for row in self.per_rank)
+
+    def pass_columns(self, chained=False):
+        """The passes of `timeline` (or `chained`) as columns (see _Replayed.columns) and that timeline's meta,
+        without building it: what draws many passes reads (the explorer). None for a result made elsewhere."""
+        made = getattr(self, '_replays', {}).get('chained' if chained else 'timeline')
+        if made is None:
+            return None
+        columns = made[0].columns()
+        return None if columns is None else (columns, made[1])
 
 
 def _built_when_read(name):
@@ -1574,4 +1610,8 @@ def _simulate(run, iterations, replayed, stages, units, meta, place):
                          'peak_activation_memory': one.peak[r],
                          'params': sum(place.chunk_size(r, c) for c in range(place.chunks))})
     messages = [list(m) for m in one.messages]
-    return SimResult(timeline, chained, makespan, period, per_rank, units, messages, instructions)
+    result = SimResult(timeline, chained, makespan, period, per_rank, units, messages, instructions)
+    result._replays = {'timeline': (one, dict(meta, iterations=1))}
+    if iterations >= 3:
+        result._replays['chained'] = (many, dict(meta, iterations=iterations))
+    return result
