@@ -891,7 +891,8 @@ INPUTS = {"deep.json": SIDE_BY_SIDE, "gptlite.json": f"{SIDE_BY_SIDE} --model gp
           "chooser.json": "python scripts/benchmark_chooser.py --docs", "peers.json":
           "python scripts/benchmark_peers.py --docs", "peers-gptlite.json": None,
           "interlock.json": "python scripts/benchmark_interlock.py --docs", **dict.fromkeys(INTERLOCK_RUNS),
-          "simulator.json": "python scripts/benchmark_simulator.py --docs"}
+          "simulator.json": "python scripts/benchmark_simulator.py --docs",
+          "resume.json": "python scripts/benchmark_resume.py --docs"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1061,6 +1062,22 @@ def interlock_section(doc, title="## Interlocked steps", file="interlock.json"):
 
 
 # --------------------------------------------------------------------------------------------
+# A resume under another layout (benchmark_resume.py)
+# --------------------------------------------------------------------------------------------
+def resume_section(doc):
+    a, med = doc["args"], doc["median_s"]
+    plain = med["own layout"]
+    rows = [[name, f"{t:.2f}", f"{t - plain:+.2f}"] for name, t in med.items()]
+    return blocks(["## Resuming under another layout", code("python scripts/benchmark_resume.py --docs"), para(f"""
+        GPTlite {a['model_size']} (a checkpoint of {doc['checkpoint_bytes'] / MiB:.0f} MiB) saved by 1F1B at 2
+        stages, resumed by fresh launches in {a['rounds']} rotating rounds: the load's time on rank 0 (median),
+        under the checkpoint's own layout (DeepSpeed's files) and under others, with the universal layout written
+        afresh or already there ([checkpoints.md](checkpoints.md)). Raw numbers:
+        [`bench/resume.json`](bench/resume.json)."""),
+        table(["resume", "load (s)", "over its own layout (s)"], rows)])
+
+
+# --------------------------------------------------------------------------------------------
 # The simulator's own speed (benchmark_simulator.py)
 # --------------------------------------------------------------------------------------------
 def simulator_section(doc):
@@ -1145,7 +1162,8 @@ def render(bench_dir=BENCH_DIR) -> str:
              section(docs, "chooser.json", "## Choosing a schedule", chooser_section),
              section(docs, "interlock.json", "## Interlocked steps", interlock_section)]
     parts += [interlock_section(docs[file], interlock_title(file), file) for file in INTERLOCK_RUNS if file in docs]
-    parts += [section(docs, "simulator.json", "## The simulator's speed", simulator_section), blocks(GPU)]
+    parts += [section(docs, "resume.json", "## Resuming under another layout", resume_section),
+              section(docs, "simulator.json", "## The simulator's speed", simulator_section), blocks(GPU)]
     return "\n".join(part for part in parts if part is not None)
 
 
