@@ -228,7 +228,8 @@ def _report_deferral(engine, spec, layers, elements, total):
               f"torch.nn.Linear to defer, so its W passes do nothing and the split gains nothing "
               f"(docs/architecture.md: making a layer deferrable)", file=sys.stderr, flush=True)
         return
-    in_place = ", added into .grad by their multiply (ZeRO 0, fp32)" if getattr(engine, '_in_place', False) else ""
+    in_place = (", added into .grad by their multiply (fp32, one data-parallel rank)"
+                if getattr(engine, "_in_place", False) else "")
     print(f"{where}: the weight gradients of {layers} linear layers, {elements / total:.0%} of the stage's trainable "
           f"parameters, are deferrable to W passes{in_place}", file=sys.stderr, flush=True)
 

@@ -11,14 +11,13 @@ how many were compared, and how far the tied weight moved in A's step (that the 
 import argparse
 import json
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from user_models import MICRO_BATCH, MODELS, cross_entropy, token_batch
 
 import schedules
 from schedules.runtime import universal
+from user_models import MICRO_BATCH, MODELS, cross_entropy, token_batch
 
 SEED, MICRO_BATCHES = 1234, 8
 KEYS = ("fp32", "exp_avg", "exp_avg_sq", "step")

@@ -63,8 +63,8 @@ def test_split_head_is_the_cross_entropy_of_the_unsplit_head(parts, recompute):
     assert plain.lm_head.weight.grad.abs().max() > 1e-4  # the comparison compares something
 
 
-@pytest.mark.parametrize("recompute,rows", [((0.0, 0.0), (19, 18)), ((1.0, 0.0), (12, 25)), ((0.6, 0.3, 0.0), (9, 11, 17)),
-                                           ((1.0, 1.0), (30, 7))])
+@pytest.mark.parametrize("recompute,rows", [((0.0, 0.0), (19, 18)), ((1.0, 0.0), (12, 25)),
+                                           ((0.6, 0.3, 0.0), (9, 11, 17)), ((1.0, 1.0), (30, 7))])
 @pytest.mark.parametrize("backward", ["fused", "deferred", "in place"])
 def test_recomputed_and_kept_rows_give_the_same_gradients(recompute, rows, backward):
     """Any layout (uneven rows; all, some or none of a slice's logits recomputed in its backward) is the unsplit
@@ -82,7 +82,8 @@ def test_recomputed_and_kept_rows_give_the_same_gradients(recompute, rows, backw
     xr, wr = x.clone().requires_grad_(), head.clone().requires_grad_()
     ref = F.cross_entropy((xr @ wr.t()).flatten(0, 1), y.flatten())
     ref.backward()
-    slices = [VocabSlice(width, vocab, k, len(rows), weight=head, recompute=q, rows=rows) for k, q in enumerate(recompute)]
+    slices = [VocabSlice(width, vocab, k, len(rows), weight=head, recompute=q, rows=rows)
+              for k, q in enumerate(recompute)]
     assert [s.recomputed for s in slices] == [round(q * n) for q, n in zip(recompute, rows)]
     for repeat in (1, 2) if backward == "in place" else (1, ):
         hidden = x.clone().requires_grad_()
