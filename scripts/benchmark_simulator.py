@@ -61,12 +61,11 @@ def load_average():
 
 
 def forget():
-    """Drop what earlier calls left for later ones: structures and compiled streams, the definitions' orders,
-    balanced cuts."""
+    """Drop what earlier calls left for later ones: the simulator's structures, the definitions' orders, balanced
+    cuts."""
     from schedules.definitions.controllable_memory import _orders
     from schedules.planner import compose
     from schedules.simulator import simulate
-    simulate._PROGRAMS.clear()
     simulate._STRUCTURES.clear()
     _orders.cache_clear()
     compose._BALANCED.clear()

@@ -101,7 +101,9 @@ class Commit:
 # Instruction registry: exact type -> handler(instr, ctx) -> list of effects.
 
 _HANDLERS = {}
-_PROGRAMS = OrderedDict()  # (factory, placement, handlers, stages, micro_batches) -> compiled stream per rank
+_STRUCTURES = OrderedDict()  # (factory, placement, handlers, p, m, forward_only, validation) -> {runs: _Program}
+_STRUCTURES_KEPT = 4_000_000  # nodes and passes kept (every schedule at p = 16, m = 64 many times over), the least
+# recently used dropped first
 
 
 @dataclass
@@ -122,7 +124,7 @@ def register_instruction(instr_type, handler=None):
     if handler is None:
         return lambda h: register_instruction(instr_type, h) or h
     _HANDLERS[instr_type] = handler
-    _PROGRAMS.clear()  # streams compiled with the handler it replaces
+    _STRUCTURES.clear()  # made with the handler it replaces
     return handler
 
 
@@ -149,9 +151,8 @@ register_instruction(ds.OptimizerStep, lambda i, c: [StepWork()])  # its time: s
 # item says what it is (_COMPUTE, _P2P, ...), followed by what the rank and the placement fix beforehand (the
 # chunk's stage and neighbours, the peer rank, the channel), so that the simulation only keeps state and clocks.
 # The streams of a schedule that DeepSpeed or schedules/lowering.py builds depend on (schedule, p, m, stage_id)
-# alone: those are compiled once, shared by every run of the stream (the iterations) and kept for the next
-# simulation of the same schedule (_PROGRAMS). Any other factory is called once per run and its stream pulled
-# as the rank reaches it, as before.
+# alone: those are compiled once and shared by every run of the stream (the iterations). Any other factory is
+# called once per run and its stream pulled as the rank reaches it.
 
 _COMPUTE, _P2P, _LOAD, _STEP, _COMMIT, _OTHER, _RAISE = range(7)
 _PAIRED = object()  # a compute paired with the others of its instruction, numbered when the rank reaches it
@@ -298,29 +299,19 @@ def _replayable(factory):
 
 _LOWERING = ('__init__', 'steps', '_lower', '_before', '_after', '_instr', '_remote', '_at_end', '_neighbour',
              '_check_order')
-_PROGRAMS_KEPT = 600_000  # compiled instructions kept in _PROGRAMS (every schedule at p = 16, m = 64), the least
-# recently used dropped first: more would cost the collector more than it saves
 
 
 def _program_key(factory, placement, stages, micro_batches):
     return factory, type(placement), tuple(placement.handlers.items()), stages, micro_batches
 
 
-def _programs(factory, placement, stages, micro_batches, first):
-    """Every rank's compiled stream, from `first` (the schedule objects) unless kept from an earlier simulation."""
-    key = _program_key(factory, placement, stages, micro_batches)
-    programs = _PROGRAMS.get(key)
-    if programs is not None:
-        _PROGRAMS.move_to_end(key)
-        return programs
+def _programs(placement, stages, first):
+    """Every rank's compiled stream, from `first` (the schedule objects). (What a simulation of them makes is kept,
+    _STRUCTURES, not the streams.)"""
     programs = []
     for r in range(stages):
         compile_ = _Compiler(placement, r).compile
         programs.append([compile_(step, instr) for step, cmds in enumerate(first[r].steps()) for instr in cmds])
-    _PROGRAMS[key] = programs
-    kept = sum(len(p) for ps in _PROGRAMS.values() for p in ps)
-    while kept > _PROGRAMS_KEPT and len(_PROGRAMS) > 1:
-        kept -= sum(len(p) for p in _PROGRAMS.popitem(last=False)[1])
     return programs
 
 
@@ -506,11 +497,9 @@ class _Simulation:
         self.program = _Program(ranks, runs)
         self.nodes = []  # (a, b, k) of node p + i
         if _replayable(factory):
-            kept = _program_key(factory, placement, ranks, micro_batches) in _PROGRAMS
             # Build every rank's schedule up front so a constraint violation (ValueError) surfaces first.
-            first = None if kept else [factory(micro_batches=micro_batches, stages=ranks, stage_id=r)
-                                       for r in range(ranks)]
-            programs = _programs(factory, placement, ranks, micro_batches, first)
+            first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
+            programs = _programs(placement, ranks, first)
             self.ranks = [_Rank(r, runs, programs[r]) for r in range(ranks)]
         else:
             first = [factory(micro_batches=micro_batches, stages=ranks, stage_id=r) for r in range(ranks)]
@@ -1110,10 +1099,6 @@ class _Simulation:
 
 # ----------------------------------------------------------------------------------------------
 # Structures kept, and the chained iterations from one iteration's.
-
-_STRUCTURES = OrderedDict()  # (factory, placement, handlers, p, m, forward_only, validation) -> {runs: _Program}
-_STRUCTURES_KEPT = 4_000_000  # nodes and passes kept (every schedule at p = 16, m = 64 many times over), the least
-# recently used dropped first
 
 
 def _structure(factory, placement, stages, micro_batches, runs, forward_only, validation):
