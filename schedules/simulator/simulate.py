@@ -14,6 +14,11 @@ together at the CommitP2P (dist.batch_isend_irecv), which waits for all of them.
 the head of a channel, a wait that can never end, or a buffer used out of order raises
 ScheduleError naming rank, step and instruction: schedules are checked, not trusted.
 
+A call is two steps: the streams run together once give the schedule's structure (the checks, the
+matching, the waits), written down as timing nodes, kept for a registered schedule; the nodes are
+then timed at the call's costs, the chained iterations by replaying the first one's (see "The
+simulation" below).
+
 Every compute instruction is understood through `schedules.instructions.PASS_KIND`; an
 instruction type from elsewhere is taught once with `register_instruction`. Schedules are looked
 up by name in schedules/registry.py. The simulator reads the vocabulary and the definitions,
@@ -149,7 +154,7 @@ register_instruction(ds.OptimizerStep, lambda i, c: [StepWork()])  # its time: s
 #
 # A rank's stream becomes a list of entries (step, instruction, effects, paired), each effect a tuple whose first
 # item says what it is (_COMPUTE, _P2P, ...), followed by what the rank and the placement fix beforehand (the
-# chunk's stage and neighbours, the peer rank, the channel), so that the simulation only keeps state and clocks.
+# chunk's stage and neighbours, the peer rank, the channel), so that the simulation only keeps state and times.
 # The streams of a schedule that DeepSpeed or schedules/lowering.py builds depend on (schedule, p, m, stage_id)
 # alone: those are compiled once and shared by every run of the stream (the iterations). Any other factory is
 # called once per run and its stream pulled as the rank reaches it.
@@ -516,7 +521,6 @@ class _Simulation:
                           self.program.passes, self.cost_slot, self.program.fetch, self.program.meta_waits,
                           self.program.folds)
         for rk in self.ranks:
-            rk.clock = rk.rank  # its clock when the program starts
             rk.constants = (rk.rank, rk.buffers, rk.messages, rk.pending_w, rk.meta_done, _WAIT + rk.rank,
                             self.dispatch_slot + rk.rank)
 
