@@ -29,6 +29,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 CONFIG = os.path.join(ROOT, "ds_config.json")
@@ -67,10 +70,8 @@ def parse_args(argv=None):
                    help="steps per launch of each model")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each launch left out")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--timeout", type=int, default=300, help="seconds per launch")
-    p.add_argument("--out", default=os.path.join("runs", "defaults.json"))
-    p.add_argument("--docs", action="store_true", help=f"write {os.path.relpath(OUT, ROOT)} and the table in "
-                                                       f"{os.path.relpath(DOC, ROOT)}")
+    common.add(p, "timeout", "out", "docs", timeout=300, out=os.path.join("runs", "defaults.json"),
+               docs=dict(help=f"write {os.path.relpath(OUT, ROOT)} and the table in {os.path.relpath(DOC, ROOT)}"))
     p.add_argument("--dry", action="store_true", help="tiny models, for a test: seconds, not figures")
     return p.parse_args(argv)
 

@@ -16,7 +16,6 @@ every registered schedule at p = P, m = 4P at once, as the page asks when all ar
 and chained: the time until every answer is in, for inputs it has not seen at that p and m (first), then for
 `--rounds` changes of the costs. Writes JSON; states the machine.
 """
-import argparse
 import contextlib
 import json
 import os
@@ -27,20 +26,21 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("1f1b", "zb-h1", "interleaved", "zb-v", "v-min")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.add(common.parser(__doc__), "schedules", "out", "docs", out="runs/simulator", docs="simulator",
+                   schedules=list(SCHEDULES))
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="p of the scaling table")
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     p.add_argument("--table", type=int, nargs="*", default=[16, 32, 64], help="p of the timed schedule tables")
     p.add_argument("--choose", type=int, nargs="*", default=[64], help="p of the timed chooser runs")
     p.add_argument("--page", type=int, nargs="*", default=[16], help="p of the timed explorer answers")
     p.add_argument("--rounds", type=int, default=5, help="changes of the costs timed on the explorer")
-    p.add_argument("--out", default="runs/simulator")
-    p.add_argument("--docs", action="store_true", help="also publish docs/bench/simulator.json, docs/benchmarks.md")
     return p.parse_args(argv)
 
 
@@ -241,13 +241,7 @@ def main(argv=None):
     record["took_s"] = time.perf_counter() - started
     record["load_end"] = load_average()
     print(report(record))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "simulator.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    if args.docs:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import benchmark_docs  # beside this script
-        benchmark_docs.publish(record, "simulator")
+    common.save(args, "simulator", record)
     return 0
 
 

@@ -19,13 +19,16 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, nargs="+", default=[2], help="pipeline stages p to plan for")
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4], help="micro-batches per step m")
+    p = common.add(common.parser(__doc__), "stages", "micro-batches", "timeout", timeout=300,
+                   stages=dict(nargs="+", default=[2], help="pipeline stages p to plan for"),
+                   micro_batches=dict(default=[4], help="micro-batches per step m"))
     p.add_argument("--max-activation-memory", type=float, default=None, help="MiB per rank")
     p.add_argument("--cuts", nargs="+", default=None, help="partition methods to try (default: all)")
     p.add_argument("--profile", default=None, help="read this profile (JSON) instead of measuring")
@@ -33,7 +36,6 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the ranked candidates of every (p, m) here")
     p.add_argument("--ranks", type=int, default=2, help="ranks to profile on (p2p is measured between two)")
     p.add_argument("--limit", type=int, default=None, help="print only the first N rows of each table")
-    p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
 

@@ -8,10 +8,13 @@ optimizer barrier (interlocked), `idle synced` when each iteration starts after 
 finished the last. Peak activation memory is in micro-batch activations of one 1F1B stage.
 """
 
-import argparse
 import contextlib
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wherever this is loaded from
+import bench_common as common  # noqa: E402
 
 # DeepSpeed logs to stdout (its accelerator notice on import); keep stdout for the table / JSON.
 with contextlib.redirect_stdout(sys.stderr):
@@ -55,10 +58,7 @@ def format_table(table):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--stages', type=int, required=True, help='pipeline ranks P')
-    parser.add_argument('--micro-batches', type=int, required=True, help='micro-batches per iteration M')
-    parser.add_argument('--latency', type=float, default=0.0, help='cost of one p2p message, in forward units')
+    parser = common.add_point(common.parser(__doc__))
     parser.add_argument('--json', action='store_true', help='print a JSON list instead of a table')
     args = parser.parse_args()
     for flag, value, least in (('--stages', args.stages, 1), ('--micro-batches', args.micro_batches, 1),
