@@ -54,9 +54,9 @@ def run_record(args, cfg, world):
 def split_rows(parts, layout=True):
     """The rows of GPTlite's split head's slices at `parts` ranks (`layout=False`: the even split, as checkpoints
     written before the slices' layout have it)."""
-    from gptlite import MODEL_SIZES
+    from gptlite import GPTliteConfig
     from schedules.runtime.vocab_parallel import slice_layout
-    return slice_layout(MODEL_SIZES["tiny"].vocab_size, parts, recompute=layout)[0]
+    return slice_layout(GPTliteConfig.vocab_size, parts, recompute=layout)[0]
 
 
 def check_resume(args, cfg, world):

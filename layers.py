@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, PipelineModule
 
+from schedules.runtime.pipe_module import layer_runs
+
 LAYER_SEED_BASE = 1234  # seed of layer i is LAYER_SEED_BASE + seed + i
 
 
@@ -61,14 +63,9 @@ def layer_state_dict(layers, first_index: int = 0) -> dict:
 
 def pipe_layer_state_dict(module: PipelineModule) -> dict:
     """The layer-indexed state of the layers this pipeline rank owns (all its chunks, if it has several)."""
-    # ChunkedPipelineModule has chunks, DeepSpeed's DualPipeVModule phases: the same thing
-    chunks = getattr(module, 'chunk_funcs', None) or getattr(module, 'phase_funcs', None)
-    if chunks is None:
-        return layer_state_dict(module.forward_funcs, module._local_start)
-    bounds = getattr(module, 'chunk_bounds', None) or module.phase_bounds
     placement = getattr(module, 'placement', None)
     state = {}
-    for c, (funcs, (start, _)) in enumerate(zip(chunks, bounds)):
+    for c, (start, funcs) in enumerate(layer_runs(module)):
         mirror = placement is not None and placement.direction(c) == 1  # DualPipe's second copy of a stage
         state.update({("mirror:" if mirror else "") + k: v for k, v in layer_state_dict(funcs, start).items()})
     return state

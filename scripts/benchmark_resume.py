@@ -9,6 +9,8 @@ layout written afresh (`<tag>/zero` removed first) and once reading the one alre
 what rank 0 reports from the start of the load to its end ("resumed ... in S s"); the table prints each
 median and its difference from the plain resume.
 """
+import argparse
+import json
 import os
 import re
 import shutil
@@ -37,7 +39,6 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="resume-bench-")
     configs = {}
     for stage in (0, 1):
-        import json
         cfg = json.loads((ROOT / "ds_config.json").read_text())
         configs[stage] = os.path.join(work, f"zero{stage}.json")
         with open(configs[stage], "w") as f:
@@ -64,7 +65,7 @@ def main(argv=None):
     shutil.rmtree(work, ignore_errors=True)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     plain = medians["own layout"]
-    lines = [f"# {common.machine('benchmark_resume.py', argparse_cpu())}",
+    lines = [f"# {common.machine('benchmark_resume.py', argparse.Namespace(device='cpu', stages=2))}",
              f"# GPTlite {args.model_size}, 2 stages, checkpoint of {size / 2**20:.0f} MiB, {args.rounds} rounds",
              f"{'resume':32} {'load (s)':>9} {'over plain (s)':>15}"]
     lines += [f"{name:32} {t:9.2f} {t - plain:15.2f}" for name, t in medians.items()]
@@ -72,11 +73,6 @@ def main(argv=None):
     record = {"machine": lines[0][2:], "args": vars(args), "checkpoint_bytes": size, "times_s": times,
               "median_s": medians}
     common.save(args, "resume", record, lines)
-
-
-def argparse_cpu():
-    import argparse
-    return argparse.Namespace(device="cpu", stages=2)
 
 
 if __name__ == "__main__":

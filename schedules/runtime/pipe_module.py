@@ -18,6 +18,17 @@ from deepspeed.pipe import PipelineModule
 from schedules.runtime.vocab_parallel import count_slices, is_vocab_slice, refusal
 
 
+def layer_runs(module):
+    """[(global index of its first layer, layer functions)] of each chunk a pipeline module holds on this rank, in
+    chunk order: ChunkedPipelineModule's chunks (both copies of a mirrored stage), DeepSpeed's DualPipeVModule's
+    phases, or a plain PipelineModule's one stage."""
+    chunks = getattr(module, 'chunk_funcs', None) or getattr(module, 'phase_funcs', None)
+    if chunks is None:
+        return [(module._local_start, module.forward_funcs)]
+    bounds = getattr(module, 'chunk_bounds', None) or module.phase_bounds
+    return [(start, funcs) for funcs, (start, _) in zip(chunks, bounds)]
+
+
 def run_layers(layers, x, interval: int = 0, checkpoint_fn=None, checkpointable=()):
     """Apply `layers` in order; checkpoint runs of `interval` consecutive `checkpointable` layers."""
     i = 0

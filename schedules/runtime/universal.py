@@ -58,25 +58,22 @@ def canonical(name, slices=None):
 
 
 def head_slices(layer_specs):
-    """(first index, count) of the VocabSlices in a layer list, or None."""
-    from schedules.runtime.vocab_parallel import is_vocab_slice
-    found = [i for i, spec in enumerate(layer_specs) if is_vocab_slice(spec)]
-    return (found[0], len(found)) if found else None
+    """(first index, count) of the VocabSlices that end a layer list, or None."""
+    from schedules.runtime.vocab_parallel import count_slices
+    n = count_slices(layer_specs)
+    return (len(layer_specs) - n, n) if n else None
 
 
 def local_names(module, layers=None):
     """{id(parameter): (name in the unsplit layer list, rows (start, stop) or None)} for the parameters
     this rank holds: a pipeline module's layers (every chunk, both mirrored copies) and tied modules,
     or, with `layers`, a non-pipelined model's layer list (the order of the pipeline's layers)."""
+    from schedules.runtime.pipe_module import layer_runs
     from schedules.runtime.vocab_parallel import is_vocab_slice
     if layers is not None:
         runs, slices = [(0, list(layers))], head_slices(layers)
     else:
-        chunks = getattr(module, 'chunk_funcs', None) or getattr(module, 'phase_funcs', None)
-        bounds = getattr(module, 'chunk_bounds', None) or getattr(module, 'phase_bounds', None)
-        runs = (list(zip((start for start, _ in bounds), chunks)) if chunks is not None
-                else [(module._local_start, module.forward_funcs)])
-        slices = head_slices(module._layer_specs)
+        runs, slices = layer_runs(module), head_slices(module._layer_specs)
     # tied modules first: DeepSpeed names them so even where a layer list entry is the module itself
     names = {id(p): (f"tied_modules.{pname}", None)
              for pname, p in getattr(module, 'tied_modules', torch.nn.ModuleDict()).named_parameters()}
