@@ -347,14 +347,97 @@ def _head_heavy(layers=6, head=10.0):
 
 def test_the_planner_splits_the_head_and_its_loss_over_the_ranks():
     from schedules.planner.compose import cut, split_head
+    from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
     profile = _head_heavy()
-    split = split_head(profile, 4)
-    assert len(split.layers) == 5 + 4 and split.loss is None
+    even, split = split_head(profile, 4, recompute=False), split_head(profile, 4)
+    for s in (even, split):
+        assert len(s.layers) == 5 + 4 and s.loss is None
+        assert sum(c.params for c in s.layers[5:]) == 100
+        # V placement at p = 4: 8 model stages, the last 4 a slice each, the trunk's 5 layers over the first 4
+        assert cut(s, "uniform", 8, slices=4) == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+        assert cut(s, "profile", 8, slices=4)[4:] == [5, 6, 7, 8, 9]
     for kind, whole in (("F", 12.0), ("B", 12.0), ("W", 10.0), ("BW", 22.0)):
+        assert sum(getattr(c, kind) for c in even.layers[5:]) == pytest.approx(whole)
+        assert [getattr(c, kind) for c in even.layers[5:]] == pytest.approx([whole / 4] * 4)
+    # the layout: F and W in proportion to the rows; B (and BW) also recompute a share q of the rows' logits
+    shares, q = slice_layout(1 << 30, 4)  # the synthetic head gives no row count: the layout's shares unrounded
+    shares = [r / (1 << 30) for r in shares]
+    extra = [RECOMPUTE_COST * qk * sk * (12 + 12 + 10) for qk, sk in zip(q, shares)]
+    for kind, whole in (("F", 12.0), ("W", 10.0)):
         assert sum(getattr(c, kind) for c in split.layers[5:]) == pytest.approx(whole)
-    assert sum(c.params for c in split.layers[5:]) == 100
-    # V placement at p = 4: 8 model stages, the last 4 a slice each, the trunk's 5 layers over the first 4
-    assert cut(split, "uniform", 8, slices=4) == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+    for kind, whole in (("B", 12.0), ("BW", 22.0)):
+        assert [getattr(c, kind) for c in split.layers[5:]] == pytest.approx([whole * s + e for s, e in zip(shares,
+                                                                                                              extra)])
+    assert extra[0] > 0 and extra[-1] == 0
+
+
+def _gptlite_small_head(parts, recompute=True):
+    """(profile, split profile, rows, recomputed rows per slice): the measured GPTlite small profile, its head
+    split by the planner, and the slices gptlite.layer_specs builds (what train.py --vocab-parallel trains)."""
+    import os
+
+    import gptlite
+    from schedules.planner.compose import split_head
+    from schedules.planner.profile import Profile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    profile = Profile.load(os.path.join(root, "docs", "bench", "profile-gptlite-small.json"))
+    config = gptlite.MODEL_SIZES["small"]
+    specs = gptlite.layer_specs(config, vocab_parts=parts, vocab_recompute=recompute)[-parts:]
+    rows = list(specs[0][1][4])
+    recomputed = [round(spec[1][3] * r) for spec, r in zip(specs, rows)]
+    return profile, split_head(profile, parts, recompute=recompute), rows, recomputed
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_the_planner_lays_the_slices_out_as_train_py_builds_them(parts):
+    """split_head's slices are the rows gptlite.layer_specs gives them (slice_layout): their parameters sum to
+    the head's; each slice's F + B + W is the same (the layout's design), above the even split's by the
+    recompute; with recompute=False the even split's figures come back."""
+    from schedules.planner.profile import pool_identical
+    from schedules.runtime.vocab_parallel import RECOMPUTE_COST
+    profile, split, rows, recomputed = _gptlite_small_head(parts)
+    _, even, even_rows, none = _gptlite_small_head(parts, recompute=False)
+    head, loss, vocab = profile.layers[-1], profile.loss, 50257
+    width, n = head.params // vocab, len(profile.layers) - 1
+    slices, even_slices = split.layers[n:], even.layers[n:]
+    assert sum(rows) == vocab and min(recomputed[:-1]) > 0 and recomputed[-1] == 0 and set(none) == {0}
+    assert [c.params for c in slices] == [r * width for r in rows]
+    assert [c.params for c in even_slices] == [r * width for r in even_rows]
+    assert sum(c.params for c in slices) == sum(c.params for c in even_slices) == head.params
+    assert sum(c.param_bytes for c in slices) == head.param_bytes
+    assert sum(c.optimizer for c in slices) == pytest.approx(head.optimizer)
+    work = sum(c.F + c.B + c.W for c in (head, loss))
+
+    def time(c):
+        return c.F + c.B + c.W
+    assert [time(c) for c in slices] == pytest.approx([time(slices[-1])] * parts, rel=2e-4)  # equal, but rounding
+    assert [time(c) for c in even_slices] == pytest.approx([work / parts] * parts, rel=1e-4)
+    for c, r, k in zip(slices, rows, recomputed):
+        assert c.F == pytest.approx((head.F + loss.F) * r / vocab)
+        assert c.W == pytest.approx((head.W + loss.W) * r / vocab)
+        assert c.B - (head.B + loss.B) * r / vocab == pytest.approx(RECOMPUTE_COST * k / vocab * work)
+        assert c.BW - (head.BW + loss.BW) * r / vocab == pytest.approx(RECOMPUTE_COST * k / vocab * work)
+    assert sum(time(c) for c in slices) - work == pytest.approx(RECOMPUTE_COST * sum(recomputed) / vocab * work)
+    assert time(slices[0]) > time(even_slices[0]) * 1.05  # the recompute is not free: 12% more at p = 2
+    # saved from F to B: the input (the hidden state) whole, the logits of the kept rows only
+    hidden, logits = head.saved["F"][1], head.saved["F"][0] + loss.saved["F"][0] - head.saved["F"][1]
+    assert [c.saved["F"][0] for c in slices] == pytest.approx([hidden + logits * (r - k) / vocab
+                                                               for r, k in zip(rows, recomputed)])
+    assert [c.saved["F"][0] for c in even_slices] == pytest.approx([hidden + logits * r / vocab for r in even_rows])
+    assert pool_identical(split.layers)[n:] == slices  # slices of different rows are not pooled as alike
+
+
+def test_the_chooser_predicts_the_split_head_as_train_py_builds_it():
+    """GPTlite small at p = 2, m = 4 (docs/bench/vocab-parallel.json): the layout's memory predicted as measured
+    (zb-v: 39.8 / 36.1 MiB saved for backward; the even slices' 1.57x apart), its time above the even split's."""
+    from schedules.planner.choose import choose
+    profile = _gptlite_small_head(2)[0]
+    kw = dict(split=True, schedules=["zb-v"], cuts=["uniform"])
+    laid_out, even = ([c for c in choose(profile, 2, 4, vocab_recompute=r, **kw).ranked if c.vocab_parallel][0]
+                      for r in (True, False))
+    assert [b / 2**20 for b in laid_out.peak] == pytest.approx([39.8, 36.1], abs=0.1)
+    assert max(even.peak) / min(even.peak) > 1.5
+    assert laid_out.step > even.step * 1.05
 
 
 def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
@@ -366,7 +449,11 @@ def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
     assert {"zb-v", "interleaved"} <= {c.schedule for c in split} <= set(SPLITTING)
     assert both.pick.vocab_parallel and both.pick.label.endswith(" +vocab")
     best_whole = min(c.step for c in both.ranked if not c.vocab_parallel)
-    assert both.pick.step < best_whole / 1.3  # the head and loss are 2/3 of the work: split, the ranks share it
+    # the head and loss are 2/3 of the work: split, the ranks share it; the layout's recompute (three slices of
+    # four recompute 71-88% of their rows) costs some of that, the even split keeps every logit
+    assert both.pick.step < best_whole / 1.1
+    even = choose(_head_heavy(), 4, 8, split=True, vocab_recompute=False)
+    assert even.pick.vocab_parallel and even.pick.step < best_whole / 1.3 and even.pick.step < both.pick.step
 
 
 @pytest.mark.multiprocess

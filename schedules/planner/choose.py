@@ -84,14 +84,16 @@ def _variants(name, stages, layers):
 
 
 def candidates(profile, stages, micro_batches, cuts=CUTS, schedules=None, interlock=1, validation="wait",
-               split=False):
+               split=False, vocab_recompute=True):
     """([Candidate] simulated, [(label, reason)] excluded) for every schedule, v and distinct cut; with `split`,
-    also every schedule that runs it with the profile's last layer (the vocabulary head) split over the ranks."""
+    also every schedule that runs it with the profile's last layer (the vocabulary head) split over the ranks,
+    laid out as train.py --vocab-parallel builds it (`vocab_recompute`: gptlite.layer_specs' flag, compose.split_head's
+    `recompute`; False: even slices that keep their logits)."""
     out, skipped = _candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation)
     if split:
         names = [n for n in splitting_schedules(stages) if schedules is None or n in schedules]
-        more, why = _candidates(split_head(profile, stages), stages, micro_batches, cuts, names, interlock, validation,
-                                slices=stages)
+        more, why = _candidates(split_head(profile, stages, recompute=vocab_recompute), stages, micro_batches, cuts,
+                                names, interlock, validation, slices=stages)
         out, skipped = out + more, skipped + why
     return out, skipped
 
@@ -150,17 +152,19 @@ def _simulated(profile, spec, v, method, parts, placement, micro_batches, interl
 
 
 def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None, interlock=1,
-           validation="wait", split=False):
+           validation="wait", split=False, vocab_recompute=True):
     """The ranked Choice for `stages` pipeline ranks and `micro_batches` per step; `max_activation_memory`
     in MiB per rank (None: no limit); `interlock` steps per call, their validation (see above); `split`: the
-    profile's last layer is a vocabulary head, which the schedules that can may split over the ranks. Raises
+    profile's last layer is a vocabulary head, which the schedules that can may split over the ranks, laid out as
+    `gptlite.layer_specs(vocab_recompute=...)` lays it out (train.py: the default, True). Raises
     ValueError for p < 2, NoScheduleFits when nothing is within the budget (naming the least memory any
     candidate needs)."""
     if stages < 2:
         raise ValueError(f"choosing a pipeline schedule needs at least 2 pipeline stages, not {stages}")
     if micro_batches < 1:
         raise ValueError(f"{micro_batches} micro-batches: need at least 1")
-    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation, split)
+    found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation, split,
+                                vocab_recompute)
     if not found:
         raise ValueError(f"no schedule runs at p = {stages}, m = {micro_batches}: "
                          + "; ".join(f"{label}: {why}" for label, why in skipped[:3]))

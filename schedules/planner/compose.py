@@ -60,24 +60,76 @@ def _balanced(weights, parts):
     return list(_BALANCED[key])
 
 
-def split_head(profile, parts):
+def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
     """The profile of the same model with its last layer (the vocabulary head) and the loss split into `parts`
-    VocabSlices (schedules/runtime/vocab_parallel.py): each slice takes 1/parts of the head's and the loss's
-    seconds, parameters, optimizer step and saved bytes, and passes on the hidden state (the labels and two
-    statistics per token beside it are left out of its message size). Derived from the unsplit measurement:
-    on GPTlite small the two slices measured 7% less than the head with its cross-entropy (one thread)."""
-    head, loss = profile.layers[-1], profile.loss
-    parts_of = [head] + ([loss] if loss is not None else [])
+    VocabSlices (schedules/runtime/vocab_parallel.py), laid out as `gptlite.layer_specs(vocab_recompute=...)`
+    builds them: `slice_layout(V, parts, recompute, cost)` gives slice k rows_k of the V rows and recomputes
+    round(q_k rows_k) of them in its backward (`recompute=False`: the even split that keeps every logit).
 
-    def share(attr):
-        return sum(getattr(c, attr) for c in parts_of) / parts
-    saved = {state: [sum(c.saved[state][0] for c in parts_of) / parts, head.saved[state][1], 0]
-             for state in STATES}
-    piece = LayerCost(f"{head.name}Slice", *(share(k) for k in KINDS), saved=saved,
-                      params=round(head.params / parts), param_bytes=round(head.param_bytes / parts),
-                      output_bytes=profile.layers[-2].output_bytes if len(profile.layers) > 1 else 0,
-                      optimizer=head.optimizer / parts)
-    return replace(profile, layers=[*profile.layers[:-1], *([piece] * parts)], loss=None)
+    Slice k takes rows_k / V of the head's and the loss's seconds, parameters, optimizer step and of what they
+    save beyond the slice's input (the hidden state, which every slice saves whole); its recomputed rows add
+    cost x (their share of the head's and loss's F + B + W) to its B and BW (`cost`: RECOMPUTE_COST, a
+    recomputed row's extra backward time over a kept row's forward + backward + W) and keep nothing from its F
+    to its B but that input and a log-sum-exp per token (left out): its saved bytes after F scale with its kept
+    rows, after B (a deferred W's gradient of the logits, recomputed rows' too) with all its rows. Every slice
+    passes on the hidden state (the labels and two statistics per token beside it are left out of its message
+    size). Not modelled: the logits a B computes again live only while it runs, and the simulator takes a pass's
+    saved bytes at its end, so a rank's peak inside a recomputing fused backward is under-predicted by up to
+    their size (rows_k q_k / V of the logits: 15 MiB at p = 2 on GPTlite small). V: `vocab_size`, else the
+    head's parameters x its output over its input bytes, square-rooted (h V and V / h); where that does not give
+    a whole row count the shares are kept unrounded.
+    Derived from the unsplit measurement: on GPTlite small the two slices measured 7% less than the head with its
+    cross-entropy (one thread)."""
+    from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
+    head, loss = profile.layers[-1], profile.loss
+    both = [head] + ([loss] if loss is not None else [])
+    cost = RECOMPUTE_COST if cost is None else cost
+    rows, q = slice_layout(vocab_size or _vocab_size(profile) or _NOMINAL_ROWS, parts, recompute=recompute, cost=cost)
+    total = sum(rows)
+    recomputed = [round(qk * r) for qk, r in zip(q, rows)]  # as VocabSlice rounds them
+    work = sum(c.F + c.B + c.W for c in both)  # a micro-batch's F + B + W of every row
+    params, param_bytes = _split_count(head.params, rows), _split_count(head.param_bytes, rows)
+    message = profile.layers[-2].output_bytes if len(profile.layers) > 1 else 0
+    pieces = []
+    for k in range(parts):
+        share, kept = rows[k] / total, (rows[k] - recomputed[k]) / total
+        extra = cost * recomputed[k] / total * work  # the recompute: a matrix multiply and an exponential more in B
+        seconds = {kind: share * sum(getattr(c, kind) for c in both) for kind in KINDS}
+        seconds['B'] += extra
+        seconds['BW'] += extra
+        saved = {}
+        for state in STATES:
+            own = head.saved[state][1]  # the slice's input: the hidden state, saved whole by every slice
+            rest = sum(c.saved[state][0] for c in both) - own
+            saved[state] = [own + rest * (kept if state == 'F' else share), own, 0]
+        pieces.append(LayerCost(f"{head.name}Slice", *(seconds[kind] for kind in KINDS), saved=saved,
+                                params=params[k], param_bytes=param_bytes[k], output_bytes=message,
+                                optimizer=head.optimizer * share))
+    return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None)
+
+
+_NOMINAL_ROWS = 1 << 30  # a head's row count where the profile does not give it: the layout's shares, unrounded
+
+
+def _vocab_size(profile):
+    """The head's rows V from its measurement, or None: its parameters are h V, its output over its input (the
+    layer before's output) V / h tokens' worth alike."""
+    head = profile.layers[-1]
+    hidden = profile.layers[-2].output_bytes if len(profile.layers) > 1 else 0
+    if not (head.params and head.output_bytes and hidden):
+        return None
+    vocab = round((head.params * head.output_bytes / hidden) ** 0.5)
+    return vocab if vocab and head.params % vocab == 0 else None
+
+
+def _split_count(count, rows):
+    """`count` (parameters, bytes) over slices of `rows`: exactly in proportion where it is a multiple of the
+    rows, else by largest remainders; the sum is `count` either way."""
+    from schedules.runtime.vocab_parallel import vocab_rows
+    total = sum(rows)
+    if count % total == 0:
+        return [count // total * r for r in rows]
+    return vocab_rows(count, rows)
 
 
 def stage_layers(parts, stage):
