@@ -13,7 +13,9 @@ Every rank computes the same choice from the same gathered profile, so no rank w
 verdict, and a budget nothing fits is refused on every rank alike (UsageError, one line).
 """
 import os
+import statistics
 import time
+from dataclasses import replace
 
 from faults import UsageError
 
@@ -61,6 +63,11 @@ def optimizer_factory(cfg):
     return lambda parameters: cls(parameters, **params)
 
 
+def normed(cfg):
+    """Whether the step takes the gradients' norm: to clip them, or at ZeRO >= 1 (DeepSpeed's step always does)."""
+    return bool(cfg.get("gradient_clipping", 1.0) or cfg.get("zero_optimization", {}).get("stage", 0))
+
+
 def measure(args, cfg, batch_of, repeats=7):
     """The Profile of this model on this job's device and ranks (every rank returns the same one)."""
     import torch
@@ -79,14 +86,17 @@ def measure(args, cfg, batch_of, repeats=7):
     rank = dist.get_rank() if dist.is_initialized() else 0
     if world > 1:
         dist.barrier()  # the ranks measure side by side from the start
+    # each layer's optimizer step comes from the rate of one step over a rank's share, cold (measure_step)
     layers, loss = planner.measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
-                                  optimizer=optimizer_factory(cfg), device=device, dtype=dtype, sync=sync, rank=rank,
-                                  world=world)
+                                          device=device, dtype=dtype, sync=sync, rank=rank, world=world)
+    held = sum(c.params for c in layers if c is not None) * world / max(args.pipeline_parallel_size, 1)  # per rank
+    rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
     if world > 1:
         every = [None] * world
-        dist.all_gather_object(every, (layers, loss))
-        layers, loss = planner.merge(every)
-    layers = planner.pool_identical(layers)
+        dist.all_gather_object(every, (layers, loss, rate))
+        layers, loss = planner.merge([(mine, its_loss) for mine, its_loss, _ in every])
+        rate = statistics.median(r for *_, r in every)
+    layers = [replace(c, optimizer=c.params * rate) for c in planner.pool_identical(layers)]
     message = max(c.output_bytes for c in layers[:-1]) if len(layers) > 1 else 8
     p2p = planner.measure_p2p(message, device=device) if world > 1 else None
     dispatch = planner.measure_dispatch(torch.zeros(message // 4 or 1))

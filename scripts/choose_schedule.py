@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, wher
 import bench_common as common  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py, planning.py: importable without the package installed
 
 
 def parse_args(argv=None):
@@ -47,7 +48,6 @@ def fail(message):
 
 def train_flags(rest, stages):
     """train.py's parsed flags and merged config for the model to profile."""
-    sys.path.insert(0, ROOT)
     import train
     args = train.parse_args(rest + ["--pipeline-parallel-size", str(stages)])
     return args, train.ds_config(args, 1)
@@ -115,7 +115,6 @@ def main(argv=None):
         fail("--micro-batches: pass counts >= 1")
     if opts.max_activation_memory is not None and opts.max_activation_memory <= 0:
         fail(f"--max-activation-memory {opts.max_activation_memory}: pass a positive number of MiB")
-    sys.path.insert(0, ROOT)
     from schedules.planner.choose import to_json
     from schedules.planner.profile import Profile
     if opts.profile:

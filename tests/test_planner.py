@@ -267,3 +267,41 @@ def test_choose_schedule_plans_from_a_saved_profile(tmp_path, capsys):
     choose_schedule_script().main(["--profile", str(path), "--stages", "4", "--micro-batches", "8",
                                    "--max-activation-memory", "0.5"])
     assert "no schedule fits" in capsys.readouterr().out
+
+
+def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monkeypatch):
+    """planning.measure costs every layer's optimizer step as its parameters times the per-parameter rate of
+    one cold step over what a rank holds (measure_step, with the norm when the config clips): the engines
+    step a rank's parameters at once, and a warm step over one layer's few tensors was a quarter of it."""
+    import planning
+    import train
+    from schedules.planner import profile as planner
+    asked = []
+
+    def rate(numel, optimizer, clip=True, **_):
+        asked.append((numel, clip))
+        return 1e-9
+    monkeypatch.setattr(planner, "measure_step", rate)
+    args = train.parse_args(["--model", "deep", "--deep-width", "16", "--deep-depth", "4", "--micro-batch-size", "2",
+                             "--pipeline-parallel-size", "2"])
+    cfg = train.ds_config(args, 1)
+    batch_of = train.micro_batch_source(args, cfg["train_micro_batch_size_per_gpu"], False)
+    profile = planning.measure(args, cfg, batch_of, repeats=1)
+    total = sum(c.params for c in profile.layers)
+    assert asked == [(total / 2, planning.normed(cfg))] and total > 0
+    assert all(c.optimizer == pytest.approx(c.params * 1e-9) for c in profile.layers)
+    assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}) is False
+    assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}) is True
+
+
+def test_measure_step_times_the_optimizer_stepping_one_flat_tensor():
+    """measure_step's rate is per parameter of one flat tensor: positive, and the optimizer did step it."""
+    from schedules.planner.profile import measure_step
+    stepped = []
+
+    class Counting(torch.optim.SGD):
+        def step(self, closure=None):
+            stepped.append(1)
+            return super().step(closure)
+    assert measure_step(1 << 16, lambda params: Counting(params, lr=0.1), repeats=2) > 0
+    assert len(stepped) >= 3  # a warm-up and at least two timed

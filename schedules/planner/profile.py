@@ -274,6 +274,42 @@ def pool_identical(layers):
     return out
 
 
+STEP_SAMPLE = 16 << 20  # parameters the step is timed on at most (per parameter it is flat beyond a few million)
+EVICT_BYTES = 64 << 20  # written between timed steps: the step finds its tensors out of the caches, as in training
+
+
+def measure_step(numel, optimizer, clip=True, repeats=3, device=None, sync=lambda: None):
+    """Seconds per parameter of the optimizer step at the end of an iteration, for a rank holding `numel`
+    parameters: timed on one flat tensor of min(numel, STEP_SAMPLE) (how ZeRO's partition and the lean step hold
+    a rank's parameters), with the caches evicted before each step as the iteration's passes evict them. With
+    `clip`, also the gradient's norm as DeepSpeed takes it (in fp64, into a kept buffer) and the scaling.
+
+    Per layer, `measure_layer` times a step over one layer's few tensors, warm: on a model of small layers that is
+    a quarter of what the engines' step takes (the deep model, 3.5M parameters a rank: 2 ms against 8, and the
+    norm another 4), so `measure_layers` scales every layer's step by this rate instead."""
+    import torch
+    n = max(1, min(int(numel), STEP_SAMPLE))
+    weight = torch.zeros(n, device=device, requires_grad=True)
+    weight.grad = torch.full_like(weight, 1e-3)
+    opt = optimizer([weight])
+    wide = torch.empty(n, dtype=torch.float64, device=device)
+    scratch = torch.empty(EVICT_BYTES // 4, device=device)
+
+    def once():
+        scratch.fill_(1.0)
+        sync()
+        t0 = time.perf_counter()
+        if clip:
+            wide.copy_(weight.grad)
+            norm = torch.linalg.vector_norm(wide).item()
+            weight.grad.mul_(min(1.0, 1e3 / (norm + 1e-6)))
+        opt.step()
+        sync()
+        return (time.perf_counter() - t0, )
+    seconds, = _least_times(once, repeats, sync)
+    return seconds / n
+
+
 # ----------------------------------------------------------------------------------------------
 # The job: point-to-point messages and the engine's own work per pass
 
