@@ -87,8 +87,13 @@ def measure(args, cfg, batch_of, repeats=7):
     if world > 1:
         dist.barrier()  # the ranks measure side by side from the start
     # each layer's optimizer step comes from the rate of one step over a rank's share, cold (measure_step)
+    # our engines add weight gradients into .grad by their multiply in fp32 at ZeRO 0, and at ZeRO 1 with one
+    # data-parallel rank (lean_step.accumulates_in_place): the profile's B and W are timed the same way
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    in_place = not bf16 and (stage == 0 or (stage == 1 and world <= max(args.pipeline_parallel_size, 1)))
     layers, loss = planner.measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
-                                          device=device, dtype=dtype, sync=sync, rank=rank, world=world)
+                                          device=device, dtype=dtype, sync=sync, rank=rank, world=world,
+                                          in_place=in_place)
     held = sum(c.params for c in layers if c is not None) * world / max(args.pipeline_parallel_size, 1)  # per rank
     rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
     if world > 1:

@@ -272,7 +272,8 @@ def test_choose_schedule_plans_from_a_saved_profile(tmp_path, capsys):
 def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monkeypatch):
     """planning.measure costs every layer's optimizer step as its parameters times the per-parameter rate of
     one cold step over what a rank holds (measure_step, with the norm when the config clips): the engines
-    step a rank's parameters at once, and a warm step over one layer's few tensors was a quarter of it."""
+    step a rank's parameters at once, and a warm step over one layer's few tensors was a quarter of it. It
+    times B and W adding into .grad in place where the engines will (fp32, one data-parallel rank)."""
     import planning
     import train
     from schedules.planner import profile as planner
@@ -282,6 +283,13 @@ def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monke
         asked.append((numel, clip))
         return 1e-9
     monkeypatch.setattr(planner, "measure_step", rate)
+    measured = planner.measure_layers
+    in_place = []
+
+    def layers(*a, **kw):
+        in_place.append(kw["in_place"])
+        return measured(*a, **kw)
+    monkeypatch.setattr(planner, "measure_layers", layers)
     args = train.parse_args(["--model", "deep", "--deep-width", "16", "--deep-depth", "4", "--micro-batch-size", "2",
                              "--pipeline-parallel-size", "2"])
     cfg = train.ds_config(args, 1)
@@ -290,6 +298,9 @@ def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monke
     total = sum(c.params for c in profile.layers)
     assert asked == [(total / 2, planning.normed(cfg))] and total > 0
     assert all(c.optimizer == pytest.approx(c.params * 1e-9) for c in profile.layers)
+    assert in_place == [True]  # fp32 at ZeRO 1 with one data-parallel rank: B and W timed as the engines run them
+    planning.measure(args, {**cfg, "bf16": {"enabled": True}}, batch_of, repeats=1)
+    assert in_place == [True, False]
     assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}) is False
     assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}) is True
 

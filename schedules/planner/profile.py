@@ -139,11 +139,13 @@ def _storage_bytes(tracker, x):
     return sum(tracker.bytes_of(t) for t in _tensors(x))
 
 
-def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, call=None):
+def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, call=None, in_place=False):
     """One layer's LayerCost on input `x` (its output is returned too, the next layer's input).
-    `call(layer, x)` runs the forward (default `layer(x)`), e.g. a loss against its target."""
+    `call(layer, x)` runs the forward (default `layer(x)`), e.g. a loss against its target. `in_place`: the
+    weight gradients are added into `.grad` by their multiply, as our engines do in fp32 with one data-parallel
+    rank (weight_grad.accumulate_in_place; through autograd a W pass costs 1.7x as much on the deep model)."""
     from schedules.observe.memory import SavedTensorTracker
-    from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
+    from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
     call = call or (lambda mod, inp: mod(inp))
     now = time.perf_counter
 
@@ -153,11 +155,11 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
         out = call(layer, inp)
         sync()
         t1 = now()
-        with defer_weight_grads() as queue:
+        with defer_weight_grads() as queue, accumulate_in_place(in_place):
             _backward(out)
         sync()
         t2 = now()
-        apply_weight_grads(queue)
+        apply_weight_grads(queue, in_place=in_place)
         sync()
         return t1 - t0, t2 - t1, now() - t2
 
@@ -166,7 +168,8 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
         out = call(layer, inp)
         sync()
         t0 = now()
-        _backward(out)
+        with accumulate_in_place(in_place):
+            _backward(out)
         sync()
         return (now() - t0, )
 
@@ -208,10 +211,11 @@ def _detached(out):
 
 
 def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optimizer=None, device=None,
-                   dtype=None, sync=lambda: None, rank=0, world=1):
+                   dtype=None, sync=lambda: None, rank=0, world=1, in_place=False):
     """([LayerCost or None per layer], the loss's LayerCost or None): `builders` are (name, build) pairs, each
     building one layer (built one at a time, freed after); `sample` is the first layer's input, one
-    micro-batch; `optimizer(params)` builds the run's optimizer over some parameters.
+    micro-batch; `optimizer(params)` builds the run's optimizer over some parameters; `in_place`: see
+    `measure_layer`.
 
     With `world` ranks measuring at once, rank `rank` measures its share of the layers (None for the others,
     which it only runs forward for their outputs): each layer goes to the rank with the least work so far,
@@ -234,7 +238,7 @@ def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optim
             out = layer(x)
         weight = sum(p.numel() for p in layer.parameters()) + sum(t.numel() for t in _tensors(out))
         if mine(weight):
-            cost, x = measure_layer(layer, x, name, repeats, optimizer, sync)
+            cost, x = measure_layer(layer, x, name, repeats, optimizer, sync, in_place=in_place)
         else:
             cost, x = None, _detached(out)
         costs.append(cost)
