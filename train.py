@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -344,10 +345,12 @@ class Trainer:
 class Progress:
     """Rank 0's account of the run: each step's JSON object in --metrics-file, and for a person a short
     line every --log-interval steps on stdout, `step 20/40: loss 8.4512, lr 1.00e-03, 812 ms, 2,519
-    tok/s, 0:16 left`; validation lines say `validation`."""
+    tok/s, 0:16 left`; validation lines say `validation`. After `--pipeline-schedule auto`, the last step's line
+    is followed by the pick's predicted step beside the measured one (the median after the first two steps)."""
 
     def __init__(self, args, rank, start):
         self.total, self.every, self.start, self.began = args.steps, args.log_interval, start, None
+        self.predicted, self.times = getattr(args, "predicted_step_s", None), []
         self.metrics = None
         if rank == 0 and args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
@@ -369,6 +372,11 @@ class Progress:
                 print(f"step {step}/{self.total}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
                       f"{record['iter_s'] * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s, "
                       f"{int(left) // 60}:{int(left) % 60:02d} left", flush=True)
+            self.times.append(record["iter_s"])
+            if step == self.total and self.predicted and len(self.times) > 2:
+                ran = statistics.median(self.times[2:])
+                print(f"auto: predicted {self.predicted * 1e3:.1f} ms per step, ran {ran * 1e3:.1f} ms "
+                      f"({ran / self.predicted - 1:+.0%}; the median of steps {self.start + 3}-{step})", flush=True)
         if "val_loss" in record:
             print(f"step {step}/{self.total}: validation loss {record['val_loss']:.4f}", flush=True)
 
@@ -469,7 +477,8 @@ def main(argv=None):
     init_distributed(args, on_cpu)
     PEERS = Peers(rank, world, args.dist_timeout) if world > 1 else None
     if planning.wanted(args):  # auto, --partition-method profile: measure the layers on these ranks, then choose
-        planning.plan(args, cfg, batch_of, rank)
+        choice = planning.plan(args, cfg, batch_of, rank)
+        args.predicted_step_s = choice.pick.step if choice else None  # said beside the measured step at the end
     record = run_record(args, cfg, world)
     engine, criterion = build_engine(args, cfg)
     trainer = Trainer(engine, criterion, batch_of, args, dp)

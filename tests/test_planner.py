@@ -169,7 +169,7 @@ AUTO = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "auto", "--model
 def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
     """With --interlock 2 the pick is ranked by the interlocked period, and says so."""
     from local_launch import launch
-    run = launch(2, AUTO + ["--steps", "2", "--interlock", str(interlock)], timeout=120)
+    run = launch(2, AUTO + ["--steps", "3", "--interlock", str(interlock)], timeout=120)
     assert run.ok, run.explain()
     out = run.stdout[0]
     rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
@@ -179,7 +179,11 @@ def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
     assert chose[0].startswith(f"auto: chose {picked} ") and "profiling and choosing took" in chose[0]
     assert ("interlocked (2 steps per call; " in chose[0]) == (interlock == 2)
     assert ("ms synchronised: --interlock 2 " in chose[0]) == (interlock == 2)
-    assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
+    assert [line for line in out.splitlines() if line.startswith("step 3/3: loss ")], out
+    said = [line for line in out.splitlines() if line.startswith("auto: predicted ") and ", ran " in line]
+    predicted = float(chose[0].split("predicted ")[1].split(" ms")[0])
+    assert len(said) == 1 and said[0].startswith(f"auto: predicted {predicted:.1f} ms per step, ran "), out
+    assert said[0].endswith("the median of steps 3-3)"), said
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
 
 
