@@ -3,8 +3,9 @@ this job, then choose the schedule and the cut (schedules/planner/), before the 
 
 - `layer_builders(args)`: the model's layers as (class name, build) pairs, built one at a time;
 - `measure(args, cfg, batch_of)`: the ranks measure their shares of the layers side by side (the cores as
-  busy as when training) and put them together; p2p between ranks 0 and 1; every rank gets the same
-  Profile;
+  busy as when training) and put them together; for GPTlite also its head split into p slices as
+  --vocab-parallel builds them (`slice_builders`), a slice a rank; p2p between ranks 0 and 1; every rank gets
+  the same Profile;
 - `plan(args, cfg, batch_of, rank)`: fills in `args.pipeline_schedule`, `args.virtual_stages`,
   `args.partition_method` and `args.partition_weights` (the cut balanced on the measured costs), and
   has rank 0 print the ranked table, one line per candidate kept, and the pick.
@@ -28,8 +29,6 @@ def wanted(args):
 
 def layer_builders(args):
     """[(class name, build())] of the model's layers in forward order, as the pipeline cuts them."""
-    from dataclasses import replace
-
     from layers import build_layer
     if args.model == "deep":
         import deep_model
@@ -38,11 +37,39 @@ def layer_builders(args):
         seed = args.seed
     else:
         import gptlite
-        config = gptlite.MODEL_SIZES[args.model_size]
-        config = replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
-                         block_size=getattr(args, "block_size", None) or config.block_size)
+        config = gptlite_config(args)
         specs, seed = gptlite.layer_specs(config), config.seed
     return [(cls.__name__, lambda i=i: build_layer(specs, i, seed)) for i, (cls, _) in enumerate(specs)]
+
+
+def gptlite_config(args):
+    """The GPTliteConfig train.py builds from these flags."""
+    import gptlite
+    config = gptlite.MODEL_SIZES[args.model_size]
+    return replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
+                   block_size=getattr(args, "block_size", None) or config.block_size)
+
+
+def slice_builders(args, parts, recompute=True):
+    """[(class name, build())] of GPTlite's vocabulary head split into `parts` slices as train.py --vocab-parallel
+    builds them (gptlite.layer_specs(vocab_parts=parts, vocab_recompute=recompute): slice_layout's rows, each
+    slice drawing its rows of the unsplit head's weight)."""
+    import gptlite
+    from layers import build_layer
+    config = gptlite_config(args)
+    specs = gptlite.layer_specs(config, vocab_parts=parts, vocab_recompute=recompute)
+    first = len(specs) - parts
+    return [(specs[i][0].__name__, lambda i=i: build_layer(specs, i, config.seed)) for i in range(first, len(specs))]
+
+
+def head_input(args, tokens, seed=0):
+    """A micro-batch of the hidden state GPTlite's head takes for `tokens` (B, T): layer-normalised (what its
+    final LayerNorm gives at initialisation), random; a slice's costs do not depend on the values."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    width = gptlite_config(args).n_embd
+    hidden = torch.randn(*tokens.shape, width, generator=g)
+    return torch.nn.functional.layer_norm(hidden, (width, ))
 
 
 def loss_function(args):
@@ -68,8 +95,11 @@ def normed(cfg):
     return bool(cfg.get("gradient_clipping", 1.0) or cfg.get("zero_optimization", {}).get("stage", 0))
 
 
-def measure(args, cfg, batch_of, repeats=7):
-    """The Profile of this model on this job's device and ranks (every rank returns the same one)."""
+def measure(args, cfg, batch_of, repeats=7, split=None):
+    """The Profile of this model on this job's device and ranks (every rank returns the same one). `split` (default:
+    for GPTlite at 2 stages or more): also the vocabulary head split into --pipeline-parallel-size slices as
+    train.py --vocab-parallel builds them, each slice on its own rank side by side, the last with its loss
+    (Profile.slices; compose.split_head composes them where the chooser weighs a split head)."""
     import torch
     import torch.distributed as dist
 
@@ -96,12 +126,28 @@ def measure(args, cfg, batch_of, repeats=7):
                                           in_place=in_place)
     held = sum(c.params for c in layers if c is not None) * world / max(args.pipeline_parallel_size, 1)  # per rank
     rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
+    parts = args.pipeline_parallel_size
+    if split is None:
+        split = args.model == "gptlite" and parts >= 2
+    slices, slices_started = None, time.perf_counter()
+    if split:
+        from schedules.runtime.vocab_parallel import vocab_parallel_loss
+        if world > 1:
+            dist.barrier()  # the slices side by side, as a pipeline runs them
+        slices = planner.measure_slices(slice_builders(args, parts), head_input(args, x), y, vocab_parallel_loss,
+                                        repeats=repeats, device=device, dtype=dtype, sync=sync, rank=rank,
+                                        world=world, in_place=in_place)
+    slices_seconds = time.perf_counter() - slices_started
     if world > 1:
         every = [None] * world
-        dist.all_gather_object(every, (layers, loss, rate))
-        layers, loss = planner.merge([(mine, its_loss) for mine, its_loss, _ in every])
-        rate = statistics.median(r for *_, r in every)
+        dist.all_gather_object(every, (layers, loss, rate, slices))
+        layers, loss = planner.merge([(mine, its_loss) for mine, its_loss, *_ in every])
+        if split:
+            slices, _ = planner.merge([(its_slices, None) for *_, its_slices in every])
+        rate = statistics.median(r for _, _, r, _ in every)
     layers = [replace(c, optimizer=c.params * rate) for c in planner.pool_identical(layers)]
+    if slices is not None:
+        slices = [replace(c, optimizer=c.params * rate) for c in slices]
     message = max(c.output_bytes for c in layers[:-1]) if len(layers) > 1 else 8
     p2p = planner.measure_p2p(message, device=device) if world > 1 else None
     dispatch = planner.measure_dispatch(torch.zeros(message // 4 or 1))
@@ -114,7 +160,9 @@ def measure(args, cfg, batch_of, repeats=7):
             if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
             "device": str(device or "cpu"), "threads": torch.get_num_threads(), "ranks": world, "repeats": repeats,
             "seconds": time.perf_counter() - started}
-    profile = planner.Profile(layers, loss, dispatch=dispatch, meta=meta)
+    if slices is not None:
+        meta["slices_seconds"] = slices_seconds  # of which the split head's slices
+    profile = planner.Profile(layers, loss, dispatch=dispatch, meta=meta, slices=slices)
     if p2p is not None:
         profile.p2p = p2p
     return profile
@@ -139,7 +187,8 @@ def plan(args, cfg, batch_of, rank, save=None):
     from schedules.planner.compose import layer_weights
     from schedules.registry import splitting_schedules
     started = time.perf_counter()
-    profile = measure(args, cfg, batch_of)
+    # the split head's slices are measured where the chooser weighs them (GPTlite, `auto`), not for the cut alone
+    profile = measure(args, cfg, batch_of, split=args.model == "gptlite" and args.pipeline_schedule == "auto")
     if save and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
         profile.save(save)

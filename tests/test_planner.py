@@ -119,6 +119,27 @@ def test_the_library_entry_point_reads_a_profile_file(tmp_path):
     assert schedules.choose(str(path), P, M).pick.schedule == "zb-v"
 
 
+def test_a_profile_keeps_its_measured_slices_through_json(tmp_path):
+    """Profile.slices (the split head measured) and their layout survive save / load; a file without them (every
+    profile written before) loads with none."""
+    import json
+    from dataclasses import replace
+
+    from schedules.planner.profile import LayerCost
+    slices = [LayerCost("LMHeadSlice", 1.0 + k, 2.0, 3.0, 4.5, {s: [10 + k, 4, 6] for s in "FBW"}, 7 + k, 28 + 4 * k,
+                        99, 1e-3) for k in range(3)]
+    for recompute in (True, False):
+        profile = replace(synthetic(), slices=slices, slices_recompute=recompute)
+        profile.save(tmp_path / "with.json")
+        back = Profile.load(tmp_path / "with.json")
+        assert back.slices == slices and back.slices_recompute is recompute
+        assert back.to_json() == profile.to_json() and back.layers == profile.layers
+    old = synthetic().to_json()
+    assert "slices" not in old
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Profile.load(tmp_path / "old.json").slices is None
+
+
 def _deep_layers(width, depth):
     from deep_model import DeepBlock
     torch.manual_seed(0)
@@ -302,6 +323,7 @@ def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monke
     total = sum(c.params for c in profile.layers)
     assert asked == [(total / 2, planning.normed(cfg))] and total > 0
     assert all(c.optimizer == pytest.approx(c.params * 1e-9) for c in profile.layers)
+    assert profile.slices is None  # no vocabulary head to split
     assert in_place == [True]  # fp32 at ZeRO 1 with one data-parallel rank: B and W timed as the engines run them
     planning.measure(args, {**cfg, "bf16": {"enabled": True}}, batch_of, repeats=1)
     assert in_place == [True, False]
@@ -320,3 +342,65 @@ def test_measure_step_times_the_optimizer_stepping_one_flat_tensor():
             return super().step(closure)
     assert measure_step(1 << 16, lambda params: Counting(params, lr=0.1), repeats=2) > 0
     assert len(stepped) >= 3  # a warm-up and at least two timed
+
+
+def test_measure_records_the_split_heads_slices_as_train_py_builds_them(monkeypatch):
+    """For GPTlite planning.measure also measures the head split into --pipeline-parallel-size slices as train.py
+    --vocab-parallel builds them (gptlite.layer_specs' rows, the last slice with its loss), their optimizer step
+    at the profile's rate and their B and W timed as the layers' are; not where asked not to (a cut alone)."""
+    import gptlite
+    import planning
+    import train
+    from schedules.planner import profile as planner
+    monkeypatch.setattr(planner, "measure_step", lambda numel, optimizer, clip=True, **_: 1e-9)
+    measured, in_place = planner.measure_slices, []
+
+    def slices(*a, **kw):
+        in_place.append(kw["in_place"])
+        return measured(*a, **kw)
+    monkeypatch.setattr(planner, "measure_slices", slices)
+    args = train.parse_args(["--model", "gptlite", "--model-size", "tiny", "--micro-batch-size", "2",
+                             "--pipeline-parallel-size", "2"])
+    cfg = train.ds_config(args, 1)
+    batch_of = train.micro_batch_source(args, cfg["train_micro_batch_size_per_gpu"], False)
+    profile = planning.measure(args, cfg, batch_of, repeats=1)
+    head, config = profile.layers[-1], gptlite.MODEL_SIZES["tiny"]
+    rows = list(gptlite.layer_specs(config, vocab_parts=2)[-1][1][4])
+    assert in_place == [True] and profile.slices_recompute is True and len(profile.slices) == 2
+    assert [c.name for c in profile.slices] == ["LMHeadSlice"] * 2
+    assert [c.params for c in profile.slices] == [r * config.n_embd for r in rows] and rows[0] < rows[1]
+    assert sum(c.params for c in profile.slices) == head.params
+    assert sum(c.param_bytes for c in profile.slices) == head.param_bytes
+    assert all(c.optimizer == pytest.approx(c.params * 1e-9) for c in profile.slices)
+    assert all(c.F > 0 and c.B > 0 and c.W > 0 and c.BW > 0 for c in profile.slices)
+    tokens = 2 * config.block_size
+    # slice 0 passes on (hidden, lse, z, labels); the last one's output is its loss, a scalar
+    assert profile.slices[0].output_bytes == tokens * (4 * config.n_embd + 4 + 4 + 8)
+    assert profile.slices[1].output_bytes == 4
+    assert profile.slices[0].saved["F"][1] == tokens * 4 * config.n_embd  # its input: the hidden state
+    assert profile.meta["slices_seconds"] > 0
+    # the chooser's split head is the measured slices
+    from schedules.planner.compose import split_head
+    assert split_head(profile, 2).layers[-2:] == profile.slices
+    assert planning.measure(args, cfg, batch_of, repeats=1, split=False).slices is None
+    assert in_place == [True]
+
+
+def test_measure_slices_shares_the_slices_over_the_ranks():
+    """Slice k is measured by rank k mod world (every rank r with r mod p = k when the ranks outnumber them), the
+    others run forward only; the loss with the last slice."""
+    import planning
+    import train
+    from schedules.planner.profile import measure_slices
+    from schedules.runtime.vocab_parallel import vocab_parallel_loss
+    args = train.parse_args(["--model", "gptlite", "--model-size", "tiny", "--pipeline-parallel-size", "3"])
+    tokens = torch.randint(0, 50257, (1, 8))
+    builders = planning.slice_builders(args, 3)
+
+    def who(rank, world):
+        costs = measure_slices(builders, planning.head_input(args, tokens), tokens, vocab_parallel_loss, repeats=1,
+                               rank=rank, world=world)
+        return [c is not None for c in costs]
+    assert who(0, 1) == [True] * 3
+    assert who(1, 2) == [False, True, False] and who(0, 2) == [True, False, True]
+    assert who(4, 6) == [False, True, False] and who(2, 3) == [False, False, True]

@@ -427,6 +427,48 @@ def test_the_planner_lays_the_slices_out_as_train_py_builds_them(parts):
     assert pool_identical(split.layers)[n:] == slices  # slices of different rows are not pooled as alike
 
 
+def _measured(profile, rows, scale=0.5):
+    """Slices as planning.measure would record them for `rows`: parameters in proportion, times `scale` x the
+    derived figures of the head's share plus a mark per slice, so no derivation gives them."""
+    from schedules.planner.profile import LayerCost
+    head, loss = profile.layers[-1], profile.loss
+    width, vocab = head.params // sum(rows), sum(rows)
+    return [LayerCost("LMHeadSlice", *(scale * (getattr(head, kind) + getattr(loss, kind)) * r / vocab + 1e-3 * k
+                                       for kind in ("F", "B", "W", "BW")),
+                      saved={s: [1000 + k, 10, 20] for s in "FBW"}, params=r * width, param_bytes=4 * r * width,
+                      output_bytes=77 + k, optimizer=1e-4 * (k + 1)) for k, r in enumerate(rows)]
+
+
+def test_the_planner_takes_the_slices_measured_as_train_py_builds_them():
+    """With the slices measured (Profile.slices: as many, laid out alike) split_head's last layers are those, figure
+    for figure; another count, the other layout, or slices not of this layout's rows: derived as before."""
+    from schedules.planner.choose import choose
+    from schedules.planner.compose import split_head
+    profile, derived, rows, _ = _gptlite_small_head(2)
+    _, derived_even, even_rows, _ = _gptlite_small_head(2, recompute=False)
+    n = len(profile.layers) - 1
+    slices = _measured(profile, rows)
+    measured = replace(profile, slices=slices, slices_recompute=True)
+    split = split_head(measured, 2)
+    assert split.layers[n:] == slices and split.layers[:n] == profile.layers[:n]
+    assert split.loss is None and split.slices is None
+    assert split.layers[n:] != derived.layers[n:]
+    split.layers[n].saved["F"][0] = 0  # a copy: the profile's slices stay as measured
+    assert slices[0].saved["F"][0] == 1000
+    # derived where the measured slices are not the head asked for
+    assert split_head(measured, 2, recompute=False).layers[n:] == derived_even.layers[n:]
+    assert split_head(measured, 4).layers[n:] == _gptlite_small_head(4)[1].layers[n:]
+    assert split_head(replace(profile, slices=_measured(profile, even_rows), slices_recompute=True), 2).layers[n:] \
+        == derived.layers[n:]
+    even = replace(profile, slices=_measured(profile, even_rows), slices_recompute=False)
+    assert split_head(even, 2, recompute=False).layers[n:] == _measured(profile, even_rows)
+    assert split_head(even, 2).layers[n:] == derived.layers[n:]
+    # the chooser composes them: slices at half the derived time, a faster split step
+    kw = dict(split=True, schedules=["zb-v"], cuts=["uniform"])
+    steps = [[c for c in choose(p, 2, 4, **kw).ranked if c.vocab_parallel][0].step for p in (profile, measured)]
+    assert steps[1] < steps[0] * 0.9
+
+
 def test_the_chooser_predicts_the_split_head_as_train_py_builds_it():
     """GPTlite small at p = 2, m = 4 (docs/bench/vocab-parallel.json): the layout's memory predicted as measured
     (zb-v: 39.8 / 36.1 MiB saved for backward; the even slices' 1.57x apart), its time above the even split's."""

@@ -78,13 +78,19 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
     their size (rows_k q_k / V of the logits: 15 MiB at p = 2 on GPTlite small). V: `vocab_size`, else the
     head's parameters x its output over its input bytes, square-rooted (h V and V / h); where that does not give
     a whole row count the shares are kept unrounded.
-    Derived from the unsplit measurement: on GPTlite small the two slices measured 7% less than the head with its
-    cross-entropy (one thread)."""
+
+    Where the profile measured the slices themselves (`Profile.slices`, planning.measure: `parts` of them, laid out
+    alike, their parameters this layout's rows), those are the split head's layers instead, as measured: the
+    derivation charges every row what the whole head and torch's cross-entropy cost per row, more than a slice's
+    own projection and statistics cost on GPTlite small."""
     from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
     head, loss = profile.layers[-1], profile.loss
     both = [head] + ([loss] if loss is not None else [])
     cost = RECOMPUTE_COST if cost is None else cost
     rows, q = slice_layout(vocab_size or _vocab_size(profile) or _NOMINAL_ROWS, parts, recompute=recompute, cost=cost)
+    measured = _measured_slices(profile, rows, recompute)
+    if measured is not None:
+        return replace(profile, layers=[*profile.layers[:-1], *measured], loss=None, slices=None)
     total = sum(rows)
     recomputed = [round(qk * r) for qk, r in zip(q, rows)]  # as VocabSlice rounds them
     work = sum(c.F + c.B + c.W for c in both)  # a micro-batch's F + B + W of every row
@@ -105,7 +111,20 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
         pieces.append(LayerCost(f"{head.name}Slice", *(seconds[kind] for kind in KINDS), saved=saved,
                                 params=params[k], param_bytes=param_bytes[k], output_bytes=message,
                                 optimizer=head.optimizer * share))
-    return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None)
+    return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None, slices=None)
+
+
+def _measured_slices(profile, rows, recompute):
+    """Copies of the profile's measured slices where they are the head split as asked (as many, the same layout,
+    their parameters the head's in proportion to `rows` where the head's parameters are a multiple of the rows'
+    count), else None."""
+    slices, head = getattr(profile, 'slices', None), profile.layers[-1]
+    if not slices or len(slices) != len(rows) or bool(profile.slices_recompute) != bool(recompute):
+        return None
+    params = [c.params for c in slices]
+    if sum(params) != head.params or (head.params % sum(rows) == 0 and params != _split_count(head.params, rows)):
+        return None
+    return [replace(c, saved={k: list(v) for k, v in c.saved.items()}) for c in slices]
 
 
 _NOMINAL_ROWS = 1 << 30  # a head's row count where the profile does not give it: the layout's shares, unrounded

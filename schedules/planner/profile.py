@@ -14,6 +14,9 @@ Per layer (and for the loss, measured as one more layer after the last), on one 
 - `params`, `param_bytes`, `output_bytes` (what a cut after this layer sends), `optimizer`: seconds of
   one optimizer step over the layer's parameters.
 
+Optionally (`slices`, `measure_slices`) the same figures of the last layer, a vocabulary head, split into
+VocabSlices as a pipeline of that many stages runs it: each on the tuple it takes, the last with its loss.
+
 Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, the time a send and
 a receive take on their own rank, and an all-reduce's latency and cost per byte) and `dispatch` (the
 framework's work around each pass that a layer's own timing misses). Times are the least of 2 to
@@ -60,18 +63,27 @@ class Profile:
     p2p: dict = field(default_factory=lambda: {'latency': 0.0, 'per_byte': 0.0, 'send': 0.0, 'recv': 0.0})
     dispatch: float = 0.0
     meta: dict = field(default_factory=dict)
+    # the last layer (a vocabulary head) split into len(slices) VocabSlices as train.py --vocab-parallel builds them,
+    # each measured on the tuple it takes, the last with the split head's loss (`measure_slices`); None: not measured
+    slices: Optional[list] = None
+    slices_recompute: bool = True  # their layout: slice_layout(recompute=...), gptlite.layer_specs' vocab_recompute
 
     def to_json(self):
-        return {'version': 1, 'meta': self.meta, 'p2p': self.p2p, 'dispatch': self.dispatch,
+        data = {'version': 1, 'meta': self.meta, 'p2p': self.p2p, 'dispatch': self.dispatch,
                 'layers': [asdict(c) for c in self.layers], 'loss': asdict(self.loss) if self.loss else None}
+        if self.slices:  # optional: files without it load as before
+            data['slices'] = {'recompute': self.slices_recompute, 'layers': [asdict(c) for c in self.slices]}
+        return data
 
     @classmethod
     def from_json(cls, data):
         if data.get('version') != 1 or 'layers' not in data:
             raise ValueError("not a layer profile (version 1): write one with scripts/choose_schedule.py --save")
         loss = LayerCost(**data['loss']) if data.get('loss') else None
+        slices = data.get('slices') or {}
         return cls([LayerCost(**c) for c in data['layers']], loss, dict(data['p2p']), data['dispatch'],
-                   data.get('meta', {}))
+                   data.get('meta', {}), [LayerCost(**c) for c in slices['layers']] if slices else None,
+                   bool(slices.get('recompute', True)))
 
     def save(self, path):
         with open(path, 'w') as f:
@@ -248,6 +260,44 @@ def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optim
         tgt = target.to(device) if device is not None else target
         loss, _ = measure_layer(None, x, 'loss', repeats, None, sync, call=lambda _, inp: loss_fn(inp, tgt))
     return costs, loss
+
+
+def measure_slices(builders, hidden, labels, loss_fn, repeats=7, device=None, dtype=None, sync=lambda: None,
+                   rank=0, world=1, in_place=False):
+    """[LayerCost or None per slice] of a vocabulary head split into slices (schedules/runtime/vocab_parallel.py):
+    `builders` are (name, build) pairs of the VocabSlices in order; `hidden` the head's input (one micro-batch of
+    the hidden state), `labels` its targets. Each slice is measured on the tuple it takes in a pipeline, (hidden,
+    labels) into the first, (hidden, lse, z, labels) after, the earlier slices' outputs; the last together with
+    `loss_fn` (vocab_parallel_loss) on its output, as the unsplit head's loss is measured after it and the
+    split head's last stage runs it. `in_place`: see `measure_layer`.
+
+    With `world` ranks at once, slice k goes to rank k mod world (to every rank r with r mod p = k where the ranks
+    outnumber the slices), as a pipeline holds them side by side; a rank runs the slices before its own forward
+    only, for their outputs, and returns None for the slices it did not measure (`merge` puts them together)."""
+    import torch
+    parts = len(builders)
+    mine = [k % world == rank if world <= parts else rank % parts == k for k in range(parts)]
+    hidden = hidden.to(device=device, dtype=dtype) if device is not None or dtype is not None else hidden
+    tgt = labels.to(device) if device is not None else labels
+    state, costs = (hidden, tgt), []
+    for k, (name, build) in enumerate(builders):
+        if not any(mine[k:]):
+            costs.extend([None] * (parts - k))
+            break
+        layer = build()
+        if device is not None or dtype is not None:
+            layer = layer.to(device=device, dtype=dtype)
+        if mine[k]:
+            last = k == parts - 1
+            call = (lambda mod, inp: loss_fn(mod(inp))) if last else None
+            cost, out = measure_layer(layer, state, name, repeats, None, sync, call=call, in_place=in_place)
+        else:
+            with torch.no_grad():
+                cost, out = None, _detached(layer(state))
+        costs.append(cost)
+        state = out
+        del layer
+    return costs
 
 
 def merge(per_rank):
