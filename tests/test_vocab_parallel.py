@@ -373,14 +373,15 @@ def test_the_planner_splits_the_head_and_its_loss_over_the_ranks():
 
 def _gptlite_small_head(parts, recompute=True):
     """(profile, split profile, rows, recomputed rows per slice): the measured GPTlite small profile, its head
-    split by the planner, and the slices gptlite.layer_specs builds (what train.py --vocab-parallel trains)."""
+    split by the planner, and the slices gptlite.layer_specs builds (what train.py --vocab-parallel trains). The
+    profile without the slices it may carry measured: the split derived from its head and loss."""
     import os
 
     import gptlite
     from schedules.planner.compose import split_head
     from schedules.planner.profile import Profile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    profile = Profile.load(os.path.join(root, "docs", "bench", "profile-gptlite-small.json"))
+    profile = replace(Profile.load(os.path.join(root, "docs", "bench", "profile-gptlite-small.json")), slices=None)
     config = gptlite.MODEL_SIZES["small"]
     specs = gptlite.layer_specs(config, vocab_parts=parts, vocab_recompute=recompute)[-parts:]
     rows = list(specs[0][1][4])
