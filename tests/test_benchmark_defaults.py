@@ -84,3 +84,29 @@ def test_a_dry_run_launches_every_configuration_of_the_deep_model(tmp_path, caps
     assert result["chooser"]["pick"] and result["chooser"]["predicted_s"] > 0
     assert json.loads((tmp_path / "defaults.json").read_text())["models"]["deep"]["steps"] == 3
     assert bench.BEGIN in capsys.readouterr().out
+
+
+def test_the_promise_is_ours_as_shipped_against_the_same_flags_with_another_config():
+    """Item 0's verdict: ds_config.json as shipped on our engines against every configuration of the same flags
+    (another ds_config.json), pooled and round by round; DeepSpeed's own engine (other flags) is not its peer."""
+    bench = load_script()
+
+    def row(config, flags, launches):
+        return {"config": config, "flags": flags, "launch_medians_s": launches,
+                "median_s": sorted(launches)[len(launches) // 2]}
+    lean = ["--pipeline-schedule", "1f1b-lean"]
+    rows = [row("shipped", [], [2.27, 2.29, 2.16]), row("1f1b-lean", lean, [2.05, 2.06, 2.03]),
+            row("1f1b-lean-zero0", lean, [2.11, 2.16, 2.09])]
+    kept = bench.promise(rows, "1f1b-lean")
+    assert kept["ours_best_peer"] == "1f1b-lean" and kept["ours_vs_best_peer"] == 1.0 and kept["ours_within"]
+    rows[2]["launch_medians_s"] = [1.80, 1.85, 2.30]  # ZeRO 0 faster in two rounds of three: 1.11 paired
+    rows[2]["median_s"] = 1.85
+    broken = bench.promise(rows, "1f1b-lean")
+    assert broken["ours_best_peer"] == "1f1b-lean-zero0" and not broken["ours_within"]
+    assert broken["ours_vs_best_peer_paired"] == pytest.approx(2.06 / 1.85)  # the median round
+    result = {"flags": [], "steps": 8, "rounds": 3, "fastest": "1f1b-lean-zero0", "shipped_vs_fastest": 1.2,
+              "within": False, "chooser": None, "rows": [{**r, "what": r["config"], "vs_fastest": 1.0,
+                                                           "loss_max_diff": 0.0} for r in rows], **broken}
+    text = bench.render({**record(bench), "models": {"gptlite": result}})
+    assert "**ds_config.json as shipped on our engines** (`--pipeline-schedule 1f1b-lean`) runs at 1.108 of the fastest configuration " \
+           "of the same flags (1f1b-lean-zero0), 1.114 round by round" in text and "NOT within 5%." in text
