@@ -21,8 +21,8 @@ States the machine it ran on.
 
 `--profile FILE` (a profile saved by `scripts/choose_schedule.py --save`) predicts instead, at each of
 `--stages` and `--micro-batches`: the chooser's best schedule with the head whole and with it split, and the
-bound no route can beat, every rank busy with 1/p of the whole model's work and 1/p of its optimizer step
-(the paper's route with free collectives could at best reach it).
+bound no route can beat, every rank busy with 1/p of the whole model's work (its head whole or split, whichever
+costs less) and 1/p of its optimizer step (the paper's route with free collectives could at best reach it).
 """
 import json
 import os
@@ -194,6 +194,7 @@ def table(rows, args, machine):
 def predictions(args):
     """{(p, m): the best whole and split candidates' predicted steps and the balanced bound} from a profile."""
     from schedules.planner.choose import choose
+    from schedules.planner.compose import split_head
     from schedules.planner.profile import Profile
     profile = Profile.load(args.profile)
     layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
@@ -212,7 +213,11 @@ def predictions(args):
             single = min((c for c in ranked if not c.vocab_parallel and c.schedule != "dualpipe"),
                          key=lambda c: c.step, default=None)
             split = min((c for c in ranked if c.vocab_parallel), key=lambda c: c.step, default=None)
-            row = {"stages": p, "micro_batches": m, "bound_s": (work * m + optimizer) / p}
+            # the split head measured as train.py builds it can be cheaper than the whole head and its loss: the bound
+            # takes the cheaper of the two models
+            sliced = split_head(profile, p)
+            least = min(work, sum(c.F + c.BW for c in sliced.layers + ([sliced.loss] if sliced.loss else [])))
+            row = {"stages": p, "micro_batches": m, "bound_s": (least * m + optimizer) / p}
             for key, c in (("whole", whole), ("whole_one_copy", single), ("split", split)):
                 if c is not None:
                     row[key] = {"schedule": c.label, "cut": c.cut, "step_s": c.step, "bubble": c.bubble,

@@ -313,6 +313,23 @@ def test_split_head_resumes_and_trains_in_bf16(tmp_path):
     assert losses("bf16.jsonl") == pytest.approx(losses("full.jsonl"), abs=0.05)
 
 
+def test_the_predicted_bound_is_never_beaten():
+    """benchmark_vocab_parallel.py --profile: the bound (every rank busy with 1/p of the work and of the step) takes
+    the cheaper of the head whole and split, so no predicted split beats it; with the slices measured cheaper than
+    the whole head and its loss (GPTlite small's stored profile), a bound from the whole head alone was beaten."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from local_launch import ROOT
+    spec = importlib.util.spec_from_file_location("benchmark_vocab_parallel",
+                                                  ROOT / "scripts" / "benchmark_vocab_parallel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows, _ = bench.predictions(SimpleNamespace(profile=str(ROOT / "docs" / "bench" / "profile-gptlite-small.json"),
+                                                stages=[2], micro_batches=[4]))
+    assert rows and all(r["bound_s"] <= r["split"]["step_s"] for r in rows)
+
+
 def test_benchmark_summary():
     """scripts/benchmark_vocab_parallel.py's rows: medians, speed-ups over one process and the best whole head."""
     import importlib.util
