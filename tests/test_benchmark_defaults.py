@@ -108,5 +108,6 @@ def test_the_promise_is_ours_as_shipped_against_the_same_flags_with_another_conf
               "within": False, "chooser": None, "rows": [{**r, "what": r["config"], "vs_fastest": 1.0,
                                                            "loss_max_diff": 0.0} for r in rows], **broken}
     text = bench.render({**record(bench), "models": {"gptlite": result}})
-    assert "**ds_config.json as shipped on our engines** (`--pipeline-schedule 1f1b-lean`) runs at 1.108 of the fastest configuration " \
-           "of the same flags (1f1b-lean-zero0), 1.114 round by round" in text and "NOT within 5%." in text
+    assert ("**ds_config.json as shipped on our engines** (`--pipeline-schedule 1f1b-lean`) runs at 1.108 of the "
+            "fastest configuration of the same flags (1f1b-lean-zero0), 1.114 round by round" in text)
+    assert "NOT within 5%." in text
