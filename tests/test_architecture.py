@@ -27,8 +27,9 @@ ALLOWED = {
     "planner": {"vocabulary", "registry", "definitions", "runtime", "simulator", "observe", "planner"},
     "entry": {"vocabulary", "registry", "definitions", "runtime", "simulator", "observe", "planner", "entry"},
 }
-# the planner times layers with torch: of the runtime it reads only the B / W split, never an engine
-PLANNER_RUNTIME = {"schedules.runtime.weight_grad"}
+# the planner times layers with torch: of the runtime it reads only the B / W split and the split head's layers and
+# their layout (vocab_parallel, which imports no engine either), never an engine
+PLANNER_RUNTIME = {"schedules.runtime.weight_grad", "schedules.runtime.vocab_parallel"}
 
 
 def role(module):

@@ -8,5 +8,6 @@
     explore.py   the local page (scripts/explore.py): a server over the simulator, the chooser and traces,
                  and its static files in explore_static/
 
-It reads the registry and the simulator, and the deferrable Linear's B / W split; it never builds an engine.
+It reads the registry and the simulator, the deferrable Linear's B / W split and the split head's slice layout
+(runtime/vocab_parallel.py); it never builds an engine.
 """
