@@ -119,14 +119,14 @@ def measure(args, cfg, batch_of, repeats=7, split=None):
     # each layer's optimizer step comes from the rate of one step over a rank's share, cold (measure_step)
     # our engines add weight gradients into .grad by their multiply in fp32 at ZeRO 0, and at ZeRO 1 with one
     # data-parallel rank (lean_step.accumulates_in_place): the profile's B and W are timed the same way
+    parts = args.pipeline_parallel_size
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
-    in_place = not bf16 and (stage == 0 or (stage == 1 and world <= max(args.pipeline_parallel_size, 1)))
+    in_place = not bf16 and (stage == 0 or (stage == 1 and world <= max(parts, 1)))
     layers, loss = planner.measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
                                           device=device, dtype=dtype, sync=sync, rank=rank, world=world,
                                           in_place=in_place)
-    held = sum(c.params for c in layers if c is not None) * world / max(args.pipeline_parallel_size, 1)  # per rank
+    held = sum(c.params for c in layers if c is not None) * world / max(parts, 1)  # per rank
     rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
-    parts = args.pipeline_parallel_size
     if split is None:
         split = args.model == "gptlite" and parts >= 2
     slices, slices_started = None, time.perf_counter()

@@ -372,8 +372,9 @@ class Progress:
                 print(f"step {step}/{self.total}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
                       f"{record['iter_s'] * 1000:.0f} ms, {record['tokens_per_s']:,.0f} tok/s, "
                       f"{int(left) // 60}:{int(left) % 60:02d} left", flush=True)
-            self.times.append(record["iter_s"])
-            if step == self.total and self.predicted and len(self.times) > 2:
+            if self.predicted:
+                self.times.append(record["iter_s"])
+            if step == self.total and len(self.times) > 2:
                 ran = statistics.median(self.times[2:])
                 print(f"auto: predicted {self.predicted * 1e3:.1f} ms per step, ran {ran * 1e3:.1f} ms "
                       f"({ran / self.predicted - 1:+.0%}; the median of steps {self.start + 3}-{step})", flush=True)

@@ -197,11 +197,16 @@ def predictions(args):
     from schedules.planner.compose import split_head
     from schedules.planner.profile import Profile
     profile = Profile.load(args.profile)
-    layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
-    work = sum(c.F + c.BW for c in layers)  # seconds of one micro-batch through the whole model
+
+    def work_of(model):  # seconds of one micro-batch through the whole model
+        return sum(c.F + c.BW for c in model.layers + ([model.loss] if model.loss is not None else []))
+    work = work_of(profile)
     optimizer = sum(c.optimizer for c in profile.layers)
     rows = []
     for p in args.stages:
+        # the split head measured as train.py builds it can be cheaper than the whole head and its loss: the bound
+        # takes the cheaper of the two models
+        least = min(work, work_of(split_head(profile, p)))
         for m in args.micro_batches:
             try:
                 ranked = choose(profile, p, m, split=True).ranked
@@ -213,10 +218,6 @@ def predictions(args):
             single = min((c for c in ranked if not c.vocab_parallel and c.schedule != "dualpipe"),
                          key=lambda c: c.step, default=None)
             split = min((c for c in ranked if c.vocab_parallel), key=lambda c: c.step, default=None)
-            # the split head measured as train.py builds it can be cheaper than the whole head and its loss: the bound
-            # takes the cheaper of the two models
-            sliced = split_head(profile, p)
-            least = min(work, sum(c.F + c.BW for c in sliced.layers + ([sliced.loss] if sliced.loss else [])))
             row = {"stages": p, "micro_batches": m, "bound_s": (least * m + optimizer) / p}
             for key, c in (("whole", whole), ("whole_one_copy", single), ("split", split)):
                 if c is not None:

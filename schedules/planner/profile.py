@@ -340,7 +340,7 @@ def measure_step(numel, optimizer, clip=True, repeats=3, device=None, sync=lambd
 
     Per layer, `measure_layer` times a step over one layer's few tensors, warm: on a model of small layers that is
     a quarter of what the engines' step takes (the deep model, 3.5M parameters a rank: 2 ms against 8, and the
-    norm another 4), so `measure_layers` scales every layer's step by this rate instead."""
+    norm another 4), so planning.measure costs every layer's step at this rate instead."""
     import torch
     n = max(1, min(int(numel), STEP_SAMPLE))
     weight = torch.zeros(n, device=device, requires_grad=True)
