@@ -95,11 +95,14 @@ def normed(cfg):
     return bool(cfg.get("gradient_clipping", 1.0) or cfg.get("zero_optimization", {}).get("stage", 0))
 
 
-def measure(args, cfg, batch_of, repeats=7, split=None):
+def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
     """The Profile of this model on this job's device and ranks (every rank returns the same one). `split` (default:
     for GPTlite at 2 stages or more): also the vocabulary head split into --pipeline-parallel-size slices as
     train.py --vocab-parallel builds them, each slice on its own rank side by side, the last with its loss
-    (Profile.slices; compose.split_head composes them where the chooser weighs a split head)."""
+    (Profile.slices; compose.split_head composes them where the chooser weighs a split head). `build_engine`
+    (train.py's): the engine's own work per pass and per step, and its step per parameter, are measured on tiny
+    engines of this job (calibration.py); without it, the step is timed on a flat tensor (`measure_step`), the
+    work per pass estimated (`measure_dispatch`, a lower bound) and per step left out."""
     import torch
     import torch.distributed as dist
 
@@ -116,7 +119,8 @@ def measure(args, cfg, batch_of, repeats=7, split=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
     if world > 1:
         dist.barrier()  # the ranks measure side by side from the start
-    # each layer's optimizer step comes from the rate of one step over a rank's share, cold (measure_step)
+    # each layer's optimizer step comes from a rate per parameter: the engine's (calibration.py) or a cold step
+    # over a rank's share (measure_step)
     # our engines add weight gradients into .grad by their multiply in fp32 at ZeRO 0, and at ZeRO 1 with one
     # data-parallel rank (lean_step.accumulates_in_place): the profile's B and W are timed the same way
     parts = args.pipeline_parallel_size
@@ -126,7 +130,9 @@ def measure(args, cfg, batch_of, repeats=7, split=None):
                                           device=device, dtype=dtype, sync=sync, rank=rank, world=world,
                                           in_place=in_place)
     held = sum(c.params for c in layers if c is not None) * world / max(parts, 1)  # per rank
-    rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
+    calibrated = build_engine is not None and world % max(parts, 1) == 0
+    if not calibrated:  # the step measured without the engine
+        rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
     if split is None:
         split = args.model == "gptlite" and parts >= 2
     slices, slices_started = None, time.perf_counter()
@@ -140,21 +146,29 @@ def measure(args, cfg, batch_of, repeats=7, split=None):
     slices_seconds = time.perf_counter() - slices_started
     if world > 1:
         every = [None] * world
-        dist.all_gather_object(every, (layers, loss, rate, slices))
-        layers, loss = planner.merge([(mine, its_loss) for mine, its_loss, *_ in every])
+        dist.all_gather_object(every, (layers, loss, slices))
+        layers, loss = planner.merge([(mine, its_loss) for mine, its_loss, _ in every])
         if split:
             slices, _ = planner.merge([(its_slices, None) for *_, its_slices in every])
-        rate = statistics.median(r for _, _, r, _ in every)
+    step_overhead = 0.0
+    if calibrated:  # the engine's own work per pass and per step, and its step per parameter (calibration.py)
+        from calibration import engine_costs
+        dispatch, step_overhead, rate = engine_costs(args, cfg, build_engine, held)
+    elif world > 1:  # the same rate on every rank: the median of theirs
+        rates = [None] * world
+        dist.all_gather_object(rates, rate)
+        rate = statistics.median(rates)
     layers = [replace(c, optimizer=c.params * rate) for c in planner.pool_identical(layers)]
     if slices is not None:
         slices = [replace(c, optimizer=c.params * rate) for c in slices]
     message = max(c.output_bytes for c in layers[:-1]) if len(layers) > 1 else 8
     p2p = planner.measure_p2p(message, device=device) if world > 1 else None
-    dispatch = planner.measure_dispatch(torch.zeros(message // 4 or 1))
-    if world > 1:  # the same dispatch figure on every rank: rank 0's
-        box = [dispatch]
-        dist.broadcast_object_list(box, src=0)
-        dispatch = box[0]
+    if not calibrated:
+        dispatch = planner.measure_dispatch(torch.zeros(message // 4 or 1))
+        if world > 1:  # the same dispatch figure on every rank: rank 0's
+            box = [dispatch]
+            dist.broadcast_object_list(box, src=0)
+            dispatch = box[0]
     meta = {"model": args.model, "model_size": args.model_size if args.model == "gptlite" else None,
             "deep_width": args.deep_width if args.model == "deep" else None, "deep_depth": args.deep_depth
             if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
@@ -162,7 +176,9 @@ def measure(args, cfg, batch_of, repeats=7, split=None):
             "seconds": time.perf_counter() - started}
     if slices is not None:
         meta["slices_seconds"] = slices_seconds  # of which the split head's slices
-    profile = planner.Profile(layers, loss, dispatch=dispatch, meta=meta, slices=slices)
+    if calibrated:
+        meta["step_per_parameter"] = rate  # the engine's (calibration.py)
+    profile = planner.Profile(layers, loss, dispatch=dispatch, meta=meta, slices=slices, step_overhead=step_overhead)
     if p2p is not None:
         profile.p2p = p2p
     return profile
@@ -180,7 +196,7 @@ def validation_model(args, cfg):
     return "ahead" if policy == "ahead" else "wait"
 
 
-def plan(args, cfg, batch_of, rank, save=None):
+def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
     """Profile, choose (auto), and set the flags the model and the engine are built from. Returns the
     Choice (None for --partition-method profile alone)."""
     from schedules.planner.choose import CUTS, choose, summary, table
@@ -188,7 +204,8 @@ def plan(args, cfg, batch_of, rank, save=None):
     from schedules.registry import splitting_schedules
     started = time.perf_counter()
     # the split head's slices are measured where the chooser weighs them (GPTlite, `auto`), not for the cut alone
-    profile = measure(args, cfg, batch_of, split=args.model == "gptlite" and args.pipeline_schedule == "auto")
+    profile = measure(args, cfg, batch_of, split=args.model == "gptlite" and args.pipeline_schedule == "auto",
+                      build_engine=build_engine if args.pipeline_schedule == "auto" else None)
     if save and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
         profile.save(save)
@@ -221,6 +238,9 @@ def plan(args, cfg, batch_of, rank, save=None):
         line = summary(choice) if choice else (
             "--partition-method profile: stages balanced on the measured layer costs (ms) "
             + " ".join(f"{w * 1e3:.1f}" for w in args.partition_weights))
+        engine = (f"; the engine's own work {profile.dispatch * 1e3:.2f} ms a pass, {profile.step_overhead * 1e3:.1f}"
+                  f" ms a step, and {profile.meta['step_per_parameter'] * 1e9:.2f} ns a parameter stepped"
+                  if "step_per_parameter" in profile.meta else "")  # calibration.py
         print(f"{'auto' if choice else 'profile'}: {line}; profiling and choosing took {took:.1f} s "
-              f"(the profile alone {profile.meta['seconds']:.1f} s)", flush=True)
+              f"(the profile alone {profile.meta['seconds']:.1f} s{engine})", flush=True)
     return choice

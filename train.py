@@ -382,10 +382,11 @@ class Progress:
             print(f"step {step}/{self.total}: validation loss {record['val_loss']:.4f}", flush=True)
 
 
-def build_engine(args, cfg):
-    """The model and its engine, for the schedule: (engine, criterion)."""
+def build_engine(args, cfg, model=None):
+    """The model (or `model`, a PipelineModule: planning's calibration) and its engine, for the schedule:
+    (engine, criterion)."""
     import schedules
-    model, criterion = build_model(args)
+    model, criterion = build_model(args) if model is None else (model, None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, scheduler = schedules.initialize(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
                                                    trace=bool(args.trace), model=model,
@@ -478,7 +479,7 @@ def main(argv=None):
     init_distributed(args, on_cpu)
     PEERS = Peers(rank, world, args.dist_timeout) if world > 1 else None
     if planning.wanted(args):  # auto, --partition-method profile: measure the layers on these ranks, then choose
-        choice = planning.plan(args, cfg, batch_of, rank)
+        choice = planning.plan(args, cfg, batch_of, rank, build_engine=build_engine)
         args.predicted_step_s = choice.pick.step if choice else None  # said beside the measured step at the end
     record = run_record(args, cfg, world)
     engine, criterion = build_engine(args, cfg)

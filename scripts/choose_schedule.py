@@ -65,7 +65,7 @@ def worker(opts, rest):
     batch_of = train.micro_batch_source(args, cfg["train_micro_batch_size_per_gpu"],
                                         cfg.get("bf16", {}).get("enabled", False))
     train.init_distributed(args, on_cpu=not torch.cuda.is_available())
-    profile = planning.measure(args, cfg, batch_of)
+    profile = planning.measure(args, cfg, batch_of, build_engine=train.build_engine)
     import torch.distributed as dist
     if dist.get_rank() == 0:
         profile.save(opts.save)

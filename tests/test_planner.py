@@ -205,6 +205,11 @@ def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
     predicted = float(chose[0].split("predicted ")[1].split(" ms")[0])
     assert len(said) == 1 and said[0].startswith(f"auto: predicted {predicted:.1f} ms per step, ran "), out
     assert said[0].endswith("the median of steps 3-3)"), said
+    # the engine's own work, measured on these ranks by calibration.py: a pass, a step, a parameter stepped
+    engine = chose[0].split("the engine's own work ")[1]
+    per_pass, per_step, per_parameter = (float(engine.split(unit)[0].split()[-1]) for unit in
+                                         (" ms a pass", " ms a step", " ns a parameter stepped"))
+    assert 0 < per_pass < 20 and 0 < per_step < 200 and 0 <= per_parameter < 1e3, chose
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
 
 
@@ -329,6 +334,40 @@ def test_each_layers_step_is_its_parameters_at_the_rate_of_one_ranks_share(monke
     assert in_place == [True, False]
     assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}) is False
     assert planning.normed({"gradient_clipping": 0.0, "zero_optimization": {"stage": 1}}) is True
+
+
+def test_in_situ_times_give_each_layer_its_own_passes():
+    """A rank's layers timed together, each pass over all of them in turn (in_situ_times): each layer's F, B, W
+    and fused BW are its own, in forward order, though the backward runs them in reverse (set sleeps)."""
+    import deep_model
+    from schedules.planner.profile import in_situ_times
+    seconds = [(0.002, 0.004, 0.006), (0.008, 0.001, 0.003), (0.001, 0.007, 0.002)]
+    layers = [deep_model.TimedBlock(8, s) for s in seconds]
+    x = torch.randn(2, 8)
+    times = in_situ_times([(layer, x) for layer in layers], repeats=2)
+    for (f, b, w), measured in zip(seconds, times):
+        for got, want in zip(measured, (f, b, w, b + w)):
+            assert want <= got < want + 0.004, (seconds, times)
+
+
+def test_the_engines_own_step_is_outside_every_rank_and_kept_in_the_file(tmp_path):
+    """Profile.step_overhead (the engine's own work per step, calibration.py) is added to every rank's step
+    outside the schedule, and survives save / load; a file without it loads with none."""
+    from schedules.planner.compose import compose
+    from schedules.registry import schedule_spec
+    profile = Profile.synthetic(LAYERS, optimizer=1e-3)
+    placement = schedule_spec("zb-h1").placement(P)
+    parts = cut(profile, "uniform", P)
+    before = compose(profile, placement, parts)["outside"]
+    profile.step_overhead = 0.25
+    after = compose(profile, placement, parts)["outside"]
+    assert after == pytest.approx([o + 0.25 for o in before]) and len(after) == P
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path).step_overhead == 0.25
+    data = profile.to_json()
+    del data["step_overhead"]
+    assert Profile.from_json(data).step_overhead == 0.0
 
 
 def test_measure_step_times_the_optimizer_stepping_one_flat_tensor():

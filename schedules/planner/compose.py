@@ -188,7 +188,7 @@ def compose(profile, placement, parts):
             param_bytes[r] += sum(profile.layers[i].param_bytes for i in layers)
             optimizer[r] += sum(profile.layers[i].optimizer for i in layers)
     message = max((profile.layers[parts[s] - 1].output_bytes for s in range(1, len(parts) - 1)), default=0)
-    outside = list(optimizer)
+    outside = [o + profile.step_overhead for o in optimizer]  # the step's instructions cost even without parameters
     if hasattr(placement, 'holders'):  # the mirror: one all-reduce of every gradient with the mirrored rank
         p2p = profile.p2p
         latency, per_byte = (p2p['reduce_latency'], p2p['reduce_per_byte']) if 'reduce_per_byte' in p2p else \

@@ -19,7 +19,7 @@ VocabSlices as a pipeline of that many stages runs it: each on the tuple it take
 
 Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, the time a send and
 a receive take on their own rank, and an all-reduce's latency and cost per byte) and `dispatch` (the
-framework's work around each pass that a layer's own timing misses). Times are the least of 2 to
+framework's work around each pass that a layer's own timing misses). Times are the median of 2 to
 `repeats` timed runs (as many as fit 150 ms) after a warm-up run, which also counts the saved bytes; layers
 alike (a model's repeated blocks) then share the median of their figures (`pool_identical`).
 
@@ -30,7 +30,7 @@ puts the shares together; `measure_p2p` needs the process group. `Profile.save` 
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 KINDS = ('F', 'B', 'W', 'BW')
@@ -67,12 +67,15 @@ class Profile:
     # each measured on the tuple it takes, the last with the split head's loss (`measure_slices`); None: not measured
     slices: Optional[list] = None
     slices_recompute: bool = True  # their layout: slice_layout(recompute=...), gptlite.layer_specs' vocab_recompute
+    step_overhead: float = 0.0  # the engine's own seconds per step on a rank, besides the optimizer's per parameter
 
     def to_json(self):
         data = {'version': 1, 'meta': self.meta, 'p2p': self.p2p, 'dispatch': self.dispatch,
                 'layers': [asdict(c) for c in self.layers], 'loss': asdict(self.loss) if self.loss else None}
         if self.slices:  # optional: files without it load as before
             data['slices'] = {'recompute': self.slices_recompute, 'layers': [asdict(c) for c in self.slices]}
+        if self.step_overhead:
+            data['step_overhead'] = self.step_overhead
         return data
 
     @classmethod
@@ -83,7 +86,7 @@ class Profile:
         slices = data.get('slices') or {}
         return cls([LayerCost(**c) for c in data['layers']], loss, dict(data['p2p']), data['dispatch'],
                    data.get('meta', {}), [LayerCost(**c) for c in slices['layers']] if slices else None,
-                   bool(slices.get('recompute', True)))
+                   bool(slices.get('recompute', True)), data.get('step_overhead', 0.0))
 
     def save(self, path):
         with open(path, 'w') as f:
@@ -111,18 +114,19 @@ class Profile:
 MIN_SECONDS, MIN_RUNS = 0.15, 2  # timed runs of a layer: at least MIN_RUNS, until this long or `repeats`
 
 
-def _least_times(run, repeats, sync, warm_up=True):
-    """The least seconds of each phase `run()` reports, over at least MIN_RUNS runs and at most `repeats`,
-    as many as fit MIN_SECONDS, after one warm-up run. The least, not the median: on a shared machine a pass
-    of a millisecond loses whole time slices to other processes, which says nothing of its own cost (and a
-    job's passes all lose them alike)."""
+def _typical_times(run, repeats, sync, warm_up=True):
+    """The median seconds of each phase `run()` reports, over at least MIN_RUNS runs and at most `repeats`,
+    as many as fit MIN_SECONDS, after one warm-up run. The median, not the least: a job's passes pay what the
+    machine costs them (the other ranks' memory traffic, their shared caches, time slices lost), and the step
+    predicted is the step that runs. On the deep model's 1 ms passes the least was 0.65x what an engine's passes
+    take (the median 0.9x); a pass slowed on its own is outvoted here and again by `pool_identical`."""
     if warm_up:
         run()
     times = []
     while len(times) < max(repeats, MIN_RUNS) and (len(times) < MIN_RUNS or sum(map(sum, times)) < MIN_SECONDS):
         sync()
         times.append(run())
-    return [min(t[i] for t in times) for i in range(len(times[0]))]
+    return [statistics.median(t[i] for t in times) for i in range(len(times[0]))]
 
 
 def _tensors(out):
@@ -151,11 +155,13 @@ def _storage_bytes(tracker, x):
     return sum(tracker.bytes_of(t) for t in _tensors(x))
 
 
-def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, call=None, in_place=False):
+def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, call=None, in_place=False,
+                  timed=True):
     """One layer's LayerCost on input `x` (its output is returned too, the next layer's input).
     `call(layer, x)` runs the forward (default `layer(x)`), e.g. a loss against its target. `in_place`: the
     weight gradients are added into `.grad` by their multiply, as our engines do in fp32 with one data-parallel
-    rank (weight_grad.accumulate_in_place; through autograd a W pass costs 1.7x as much on the deep model)."""
+    rank (weight_grad.accumulate_in_place; through autograd a W pass costs 1.7x as much on the deep model).
+    `timed=False`: its bytes only, the times left 0 (`measure_layers` times a rank's layers together after)."""
     from schedules.observe.memory import SavedTensorTracker
     from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
     call = call or (lambda mod, inp: mod(inp))
@@ -200,7 +206,7 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
         apply_weight_grads(queue)
         saved['W'] = state()
     # split and fused alternate, alike exposed to the machine's load
-    f, b, w, bw = _least_times(lambda: split() + fused(), repeats, sync, warm_up=False)
+    f, b, w, bw = _typical_times(lambda: split() + fused(), repeats, sync, warm_up=False) if timed else (0.0, ) * 4
     nxt = _detached(out)  # the next layer's input
     step = 0.0
     if params and optimizer is not None:
@@ -211,9 +217,53 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
             opt.step()
             sync()
             return (now() - t0, )
-        step, = _least_times(optimizer_step, repeats, sync)
+        step, = _typical_times(optimizer_step, repeats, sync)
     return LayerCost(name, f, b, w, bw, saved, sum(p.numel() for p in params),
                      sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step), nxt
+
+
+def in_situ_times(entries, repeats=7, sync=lambda: None, in_place=False):
+    """[(F, B, W, BW) seconds] of each (layer, input) in `entries` (a rank's share of a model's layers, in forward
+    order), timed as a stage runs them: each pass over all of them in turn (the forwards, the input gradients in
+    reverse, then the weight gradients; then the forwards again and the fused backwards), so that between two
+    passes of a layer the others have run, as in training, where they and the other ranks evict its weights from
+    the caches. A layer repeated on its own runs from the caches: a 768-wide layer's forward took 0.30 ms there
+    against 0.46 ms in its stage. Then the median of 2 to `repeats` such rounds (`_typical_times`)."""
+    from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
+    now = time.perf_counter
+
+    def timed(work):
+        t0 = now()
+        out = work()
+        sync()
+        return now() - t0, out
+
+    def forwards():
+        outs, times = [], []
+        for layer, x in entries:
+            seconds, out = timed(lambda layer=layer, x=x: layer(_fresh(x)))
+            outs.append(out)
+            times.append(seconds)
+        return outs, times
+
+    def one_round():
+        outs, f = forwards()
+        queues, b = [], []
+        for out in reversed(outs):
+            with defer_weight_grads() as queue, accumulate_in_place(in_place):
+                seconds, _ = timed(lambda out=out: _backward(out))
+            queues.append(queue)
+            b.append(seconds)
+        w = [timed(lambda q=q: apply_weight_grads(q, in_place=in_place))[0] for q in queues]
+        outs, _ = forwards()
+        bw = []
+        for out in reversed(outs):
+            with accumulate_in_place(in_place):
+                bw.append(timed(lambda out=out: _backward(out))[0])
+        return (*f, *b[::-1], *w[::-1], *bw[::-1])
+    n = len(entries)
+    flat = _typical_times(one_round, repeats, sync, warm_up=False)
+    return [(flat[i], flat[n + i], flat[2 * n + i], flat[3 * n + i]) for i in range(n)]
 
 
 def _detached(out):
@@ -242,6 +292,7 @@ def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optim
         owner = min(range(world), key=lambda r: (load[r], r))
         load[owner] += weight
         return owner == rank
+    held = []  # (index, layer, input) of this rank's share, timed together once all are built
     for name, build in builders:
         layer = build()
         if device is not None or dtype is not None:
@@ -250,11 +301,17 @@ def measure_layers(builders, sample, loss_fn=None, target=None, repeats=7, optim
             out = layer(x)
         weight = sum(p.numel() for p in layer.parameters()) + sum(t.numel() for t in _tensors(out))
         if mine(weight):
-            cost, x = measure_layer(layer, x, name, repeats, optimizer, sync, in_place=in_place)
+            held.append((len(costs), layer, x))
+            cost, x = measure_layer(layer, x, name, repeats, optimizer, sync, in_place=in_place, timed=False)
         else:
             cost, x = None, _detached(out)
         costs.append(cost)
         del layer, out
+    if held:
+        times = in_situ_times([(layer, inp) for _, layer, inp in held], repeats, sync, in_place)
+        for (i, _, _), (f, b, w, bw) in zip(held, times):
+            costs[i] = replace(costs[i], F=f, B=b, W=w, BW=bw)
+        del held
     loss = None
     if loss_fn is not None and mine(sum(t.numel() for t in _tensors(x))):
         tgt = target.to(device) if device is not None else target
@@ -360,7 +417,7 @@ def measure_step(numel, optimizer, clip=True, repeats=3, device=None, sync=lambd
         opt.step()
         sync()
         return (time.perf_counter() - t0, )
-    seconds, = _least_times(once, repeats, sync)
+    seconds, = _typical_times(once, repeats, sync)
     return seconds / n
 
 
@@ -446,4 +503,4 @@ def measure_dispatch(activation, repeats=50):
         torch.autograd.backward(out.sum())
         del kept
         return (time.perf_counter() - t0, )
-    return _least_times(once, repeats, lambda: None)[0]
+    return _typical_times(once, repeats, lambda: None)[0]
