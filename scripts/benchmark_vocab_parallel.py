@@ -218,7 +218,8 @@ def predictions(args):
             single = min((c for c in ranked if not c.vocab_parallel and c.schedule != "dualpipe"),
                          key=lambda c: c.step, default=None)
             split = min((c for c in ranked if c.vocab_parallel), key=lambda c: c.step, default=None)
-            row = {"stages": p, "micro_batches": m, "bound_s": (least * m + optimizer) / p}
+            # every rank pays the engine's own step work whole (Profile.step_overhead)
+            row = {"stages": p, "micro_batches": m, "bound_s": (least * m + optimizer) / p + profile.step_overhead}
             for key, c in (("whole", whole), ("whole_one_copy", single), ("split", split)):
                 if c is not None:
                     row[key] = {"schedule": c.label, "cut": c.cut, "step_s": c.step, "bubble": c.bubble,

@@ -18,13 +18,15 @@ Optionally (`slices`, `measure_slices`) the same figures of the last layer, a vo
 VocabSlices as a pipeline of that many stages runs it: each on the tuple it takes, the last with its loss.
 
 Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, the time a send and
-a receive take on their own rank, and an all-reduce's latency and cost per byte) and `dispatch` (the
-framework's work around each pass that a layer's own timing misses). Times are the median of 2 to
+a receive take on their own rank, and an all-reduce's latency and cost per byte), `dispatch` (the
+framework's work around each pass that a layer's own timing misses) and `step_overhead` (the engine's own work
+per step, whatever the parameters). Times are the median of 2 to
 `repeats` timed runs (as many as fit 150 ms) after a warm-up run, which also counts the saved bytes; layers
 alike (a model's repeated blocks) then share the median of their figures (`pool_identical`).
 
-Only torch: this file never builds an engine. `measure_layers` runs on every rank of a job at once, each
-rank measuring its share of the layers (so the devices are busy side by side, as in training); `merge`
+Only torch: this file never builds an engine (calibration.py measures the engine's own work with one).
+`measure_layers` runs on every rank of a job at once, each rank measuring its share of the layers, timed
+together (`in_situ_times`: the devices busy side by side and the caches shared, as in training); `merge`
 puts the shares together; `measure_p2p` needs the process group. `Profile.save` / `load` write JSON.
 """
 import json
@@ -118,8 +120,8 @@ def _typical_times(run, repeats, sync, warm_up=True):
     """The median seconds of each phase `run()` reports, over at least MIN_RUNS runs and at most `repeats`,
     as many as fit MIN_SECONDS, after one warm-up run. The median, not the least: a job's passes pay what the
     machine costs them (the other ranks' memory traffic, their shared caches, time slices lost), and the step
-    predicted is the step that runs. On the deep model's 1 ms passes the least was 0.65x what an engine's passes
-    take (the median 0.9x); a pass slowed on its own is outvoted here and again by `pool_identical`."""
+    predicted is the step that runs. On the deep model's 768-wide layers the least was 0.6 of the engine's
+    forward; a pass slowed on its own is outvoted here and again by `pool_identical`."""
     if warm_up:
         run()
     times = []
