@@ -20,7 +20,7 @@ VocabSlices as a pipeline of that many stages runs it: each on the tuple it take
 Per device and job: `p2p` (ping-pong latency of a small message, its cost per byte, the time a send and
 a receive take on their own rank, and an all-reduce's latency and cost per byte), `dispatch` (the
 framework's work around each pass that a layer's own timing misses) and `step_overhead` (the engine's own work
-per step, whatever the parameters). Times are the median of 2 to
+per step, whatever the parameters). Times are the median of 3 to
 `repeats` timed runs (as many as fit 150 ms) after a warm-up run, which also counts the saved bytes; layers
 alike (a model's repeated blocks) then share the median of their figures (`pool_identical`).
 
@@ -113,7 +113,8 @@ class Profile:
 # ----------------------------------------------------------------------------------------------
 # Measuring layers
 
-MIN_SECONDS, MIN_RUNS = 0.15, 2  # timed runs of a layer: at least MIN_RUNS, until this long or `repeats`
+MIN_SECONDS, MIN_RUNS = 0.15, 3  # timed runs of a layer: MIN_RUNS (a median outvotes one slowed run) or more, up to
+# `repeats`, until this long
 
 
 def _typical_times(run, repeats, sync, warm_up=True):
@@ -230,7 +231,7 @@ def in_situ_times(entries, repeats=7, sync=lambda: None, in_place=False):
     reverse, then the weight gradients; then the forwards again and the fused backwards), so that between two
     passes of a layer the others have run, as in training, where they and the other ranks evict its weights from
     the caches. A layer repeated on its own runs from the caches: a 768-wide layer's forward took 0.30 ms there
-    against 0.46 ms in its stage. Then the median of 2 to `repeats` such rounds (`_typical_times`)."""
+    against 0.46 ms in its stage. Then the median of 3 to `repeats` such rounds (`_typical_times`)."""
     from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
     now = time.perf_counter
 
