@@ -8,9 +8,9 @@ ranked by predicted step time. The first is the pick.
     print("\\n".join(table(choice)))
 
 A predicted step is the simulator's synchronised step (train_batch's: every rank starts together) plus
-the time outside the schedule that differs between candidates: the optimizer step of the rank that
-holds the most, and the mirror placement's gradient all-reduce. What every candidate pays alike (the
-loss broadcast, gradient clipping's norm) is left out: it does not change the order.
+the time outside the schedule: the step of the rank that holds the most (its parameters at the profile's rate,
+and the engine's own work per step) and the mirror placement's gradient all-reduce. The wait for the other
+ranks' gradient norm is left out: a rank's step overlaps the others' last passes.
 
 Interlocked (`interlock=K` > 1, train.py --interlock K): a schedule our engines run chains its K steps without a
 barrier (schedules/runtime/interlock.py), so its predicted step is the simulator's interlocked period of K
