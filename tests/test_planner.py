@@ -370,6 +370,38 @@ def test_the_engines_own_step_is_outside_every_rank_and_kept_in_the_file(tmp_pat
     assert Profile.from_json(data).step_overhead == 0.0
 
 
+def test_the_simulator_counts_what_a_pass_holds_while_it_runs():
+    """A memory table's `within` (bytes a pass holds above its start while it runs, beyond what it leaves) raises
+    the peak where it falls inside the pass: 1F1B at p = 2, m = 2, the last stage holding one micro-batch (1
+    unit) and its fused backward 5 more while it runs."""
+    from schedules.simulator.simulate import simulate
+    table = {(r, 0): {"F": 1.0, "BW": -1.0} for r in range(2)}
+    plain = simulate("1f1b", 2, 2, memory=table, iterations=1)
+    table[(1, 0)]["within"] = {"BW": 5.0}
+    held = simulate("1f1b", 2, 2, memory=table, iterations=1)
+    assert [row["peak_activation_memory"] for row in plain.per_rank] == [2.0, 1.0]
+    assert [row["peak_activation_memory"] for row in held.per_rank] == [2.0, 6.0]
+
+
+def test_a_recomputing_slice_holds_its_logits_while_its_backward_runs():
+    """measure_layer's `within`: the most saved above a pass's start while it runs, where more than it leaves. A
+    VocabSlice recomputing q of its rows holds their logits inside its backward (split or fused), exactly their
+    bytes; the last slice, which keeps its logits, holds nothing more; compose counts it in the chunk."""
+    from schedules.planner.compose import chunk_figures
+    from schedules.planner.profile import measure_slices
+    from schedules.runtime.vocab_parallel import VocabSlice, slice_layout, vocab_parallel_loss
+    vocab, width, tokens = 1000, 16, (2, 8)
+    rows, q = slice_layout(vocab, 2)
+    builders = [(f"S{k}", lambda k=k: VocabSlice(width, vocab, k, 2, recompute=q[k], rows=rows)) for k in range(2)]
+    costs = measure_slices(builders, torch.randn(*tokens, width), torch.randint(0, vocab, tokens),
+                           vocab_parallel_loss, repeats=1)
+    again = round(q[0] * rows[0]) * tokens[0] * tokens[1] * 4  # the recomputed rows' fp32 logits
+    assert costs[0].within == {"B": again, "BW": again} and costs[1].within == {}
+    profile = Profile(costs)
+    assert chunk_figures(profile, [0], False)[1]["within"] == {"B": again, "BW": again}
+    assert "within" not in chunk_figures(profile, [1], False)[1]
+
+
 def test_measure_step_times_the_optimizer_stepping_one_flat_tensor():
     """measure_step's rate is per parameter of one flat tensor: positive, and the optimizer did step it."""
     from schedules.planner.profile import measure_step

@@ -500,6 +500,27 @@ def test_the_chooser_predicts_the_split_head_as_train_py_builds_it():
     assert laid_out.step > even.step * 1.05
 
 
+@pytest.mark.parametrize("schedule,measured", [("zb-v", [39.8, 36.1]), ("dualpipev", [43.8, 40.3]),
+                                               ("interleaved", [39.9, 36.0]), ("v-min", [35.8, 36.0]),
+                                               ("v-half", [39.8, 51.3])])
+def test_every_split_schedules_peaks_are_predicted_as_measured(schedule, measured):
+    """The peaks of docs/bench/vocab-parallel.json (GPTlite small, p = 2, m = 4, MiB per rank), predicted from the
+    stored profile with its slices measured and derived from its head: on dualpipev and interleaved a rank's peak
+    falls inside a fused backward, while the recomputed logits live (LayerCost.within, the simulator's `within`)."""
+    import os
+
+    from schedules.planner.choose import choose
+    from schedules.planner.profile import Profile
+    derived = _gptlite_small_head(2)[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stored = Profile.load(os.path.join(root, "docs", "bench", "profile-gptlite-small.json"))
+    assert stored.slices and any(c.within for c in stored.slices)  # measured with what their backward holds
+    for profile in (stored, derived):
+        split = [c for c in choose(profile, 2, 4, split=True, schedules=[schedule], cuts=["uniform"]).ranked
+                 if c.vocab_parallel][0]
+        assert [b / 2**20 for b in split.peak] == pytest.approx(measured, abs=0.15), schedule
+
+
 def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
     from schedules.planner.choose import choose
     whole = choose(_head_heavy(), 4, 8)

@@ -73,9 +73,9 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
     to its B but that input and a log-sum-exp per token (left out): its saved bytes after F scale with its kept
     rows, after B (a deferred W's gradient of the logits, recomputed rows' too) with all its rows. Every slice
     passes on the hidden state (the labels and two statistics per token beside it are left out of its message
-    size). Not modelled: the logits a B computes again live only while it runs, and the simulator takes a pass's
-    saved bytes at its end, so a rank's peak inside a recomputing fused backward is under-predicted by up to
-    their size (rows_k q_k / V of the logits: 15 MiB at p = 2 on GPTlite small). V: `vocab_size`, else the
+    size). The logits a B computes again live only while it runs: its `within` (rows_k q_k / V of the head's
+    output, the logits: 15 MiB at p = 2 on GPTlite small), which the simulator counts inside the pass. V:
+    `vocab_size`, else the
     head's parameters x its output over its input bytes, square-rooted (h V and V / h); where that does not give
     a whole row count the shares are kept unrounded.
 
@@ -108,9 +108,11 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
             own = head.saved[state][1]  # the slice's input: the hidden state, saved whole by every slice
             rest = sum(c.saved[state][0] for c in both) - own
             saved[state] = [own + rest * (kept if state == 'F' else share), own, 0]
+        again = recomputed[k] / total * head.output_bytes  # the logits its backward computes again, while it runs
         pieces.append(LayerCost(f"{head.name}Slice", *(seconds[kind] for kind in KINDS), saved=saved,
                                 params=params[k], param_bytes=param_bytes[k], output_bytes=message,
-                                optimizer=head.optimizer * share))
+                                optimizer=head.optimizer * share,
+                                within={'B': again, 'BW': again} if again else {}))
     return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None, slices=None)
 
 
@@ -168,7 +170,23 @@ def chunk_figures(profile, layers, last):
     seconds = {k: sum(getattr(c, k) for c in costs) for k in KINDS}
     live = {s: _chunk_state(costs, s) for s in STATES}
     memory = {'F': live['F'], 'B': live['B'] - live['F'], 'W': live['W'] - live['B'], 'BW': -live['F']}
+    within = {kind: held for kind in KINDS if (held := _chunk_within(costs, kind)) > max(memory[kind], 0)}
+    if within:
+        memory['within'] = within
     return seconds, memory
+
+
+def _chunk_within(costs, kind):
+    """The most a chunk's pass of `kind` holds above its start while it runs: its layers' passes in the order the
+    pass runs them (forward in order, backward in reverse), each holding its own `within` above what the layers
+    before it in the pass have added or freed."""
+    change = {'F': lambda c: c.saved['F'][0], 'B': lambda c: c.saved['B'][0] - c.saved['F'][0],
+              'W': lambda c: c.saved['W'][0] - c.saved['B'][0], 'BW': lambda c: -c.saved['F'][0]}[kind]
+    level = most = 0
+    for c in (costs if kind == 'F' else costs[::-1]):
+        most = max(most, level + c.within.get(kind, 0), level + change(c))
+        level += change(c)
+    return most
 
 
 def compose(profile, placement, parts):

@@ -51,6 +51,9 @@ class LayerCost:
     param_bytes: int = 0
     output_bytes: int = 0
     optimizer: float = 0.0
+    # kind -> the most bytes saved above the pass's start while it runs, where that is more than at its end: what a
+    # pass holds only while it runs (a split head's recomputed logits in its backward); missing: nothing more
+    within: dict = field(default_factory=dict)
 
     @property
     def cost(self):
@@ -202,12 +205,24 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
 
         def state():
             return [tracker.live_bytes, _storage_bytes(tracker, inp), _storage_bytes(tracker, out)]
+
+        def held(start):  # the most saved above `start` during the pass just run, where more than at its end
+            most = tracker.peak_bytes - start
+            return most if most > tracker.live_bytes - start else 0
         saved['F'] = state()
+        within = {'F': held(0)}
+        tracker.peak_bytes = tracker.live_bytes
         with defer_weight_grads() as queue:
             _backward(out)
         saved['B'] = state()
+        within['B'] = held(saved['F'][0])
+        tracker.peak_bytes = tracker.live_bytes
         apply_weight_grads(queue)
         saved['W'] = state()
+        within['W'] = held(saved['B'][0])
+    # a fused backward holds what B holds, or what B leaves and W holds besides
+    within['BW'] = max(within['B'], saved['B'][0] - saved['F'][0] + within['W'])
+    within = {kind: extra for kind, extra in within.items() if extra > 0}
     # split and fused alternate, alike exposed to the machine's load
     f, b, w, bw = _typical_times(lambda: split() + fused(), repeats, sync, warm_up=False) if timed else (0.0, ) * 4
     nxt = _detached(out)  # the next layer's input
@@ -222,7 +237,7 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
             return (now() - t0, )
         step, = _typical_times(optimizer_step, repeats, sync)
     return LayerCost(name, f, b, w, bw, saved, sum(p.numel() for p in params),
-                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step), nxt
+                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step, within), nxt
 
 
 def in_situ_times(entries, repeats=7, sync=lambda: None, in_place=False):

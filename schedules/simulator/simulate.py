@@ -1374,15 +1374,20 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     return out
 
 
-def _peaks(prog, memory_of, forward_only):
-    """Each rank's peak activation memory over `prog`'s passes, in its order."""
+def _peaks(prog, memory_of, forward_only, within_of=lambda rank, chunk, kind: 0.0):
+    """Each rank's peak activation memory over `prog`'s passes, in its order: after each pass, and within it where
+    the pass holds more while it runs (`within_of`: bytes above its start)."""
     deltas = [0.0 if forward_only and kind == 'F' else memory_of(rank, chunk, kind, size)
               for rank, chunk, kind, size in prog.keys]
+    within = [0.0 if forward_only and kind == 'F' else within_of(rank, chunk, kind)
+              for rank, chunk, kind, _ in prog.keys]
     memory = [0.0] * prog.ranks
     peak = [0.0] * prog.ranks
     for t, i in zip(prog.passes, prog.key_of.tolist()):
         r = t[0]
+        inside = memory[r] + within[i]
         m = memory[r] = memory[r] + (deltas[i] if t[12] is None else t[12])
+        m = max(m, inside)
         if m > peak[r]:
             peak[r] = m
     return peak
@@ -1462,6 +1467,14 @@ def _cost_function(costs):
     return table, 's'
 
 
+def _within_function(memory):
+    """(rank, chunk, kind) -> bytes a pass holds above its start while it runs beyond what it leaves (a memory
+    table's optional 'within': {kind: bytes} per (rank, chunk)); 0 for units and where the table says nothing."""
+    if memory is None:
+        return lambda rank, chunk, kind: 0.0
+    return lambda rank, chunk, kind: memory[(rank, chunk)].get('within', {}).get(kind, 0.0)
+
+
 def _memory_function(memory):
     """None: units (F adds the chunk size, BW frees it, B and W free half each). Else a table
     {(rank, chunk): {kind: delta}} of what a pass of each kind changes (e.g. bytes measured in a
@@ -1510,7 +1523,9 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     The chained timeline numbers both runs' passes by their iteration, as a traced run does.
     forward_only: an inference run (nothing kept for backward).
     memory: None for activation memory in units of the chunk size (the published convention: B
-    frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function.
+    frees half, W the other half), else measured deltas per (rank, chunk), see _memory_function; with an
+    optional 'within': {kind: bytes} per (rank, chunk), what a pass holds above its start while it runs, where
+    more than it leaves (a split head's recomputed logits inside its backward): peaks count it.
     Raises ValueError when the schedule rejects (stages, micro_batches), ScheduleError when it is broken.
     """
     if any(not 0 < it < iterations for it in replayed):
@@ -1562,7 +1577,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
                       wasted, memo)
         if n == 1:
-            out.peak = _peaks(first, _memory_function(memory), forward_only)
+            out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages
         if replays:  # a run of a replayed iteration is numbered by its iteration, its end the last run's
             out.iteration_end = [{run_iteration[run]: end for run, end in sorted(ends.items())}
