@@ -48,7 +48,8 @@ def _run(args, cfg, build_engine, bank):
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from schedules.observe.trace import RunTrace
+    from schedules.observe.trace import RunTrace, measured_dispatch
+    from schedules.simulator.timeline import Timeline
     parts = args.pipeline_parallel_size
     tiny = Namespace(**{**vars(args), "pipeline_schedule": "zb-h1", "virtual_stages": None, "trace": "calibration",
                         "save_dir": None})
@@ -71,16 +72,14 @@ def _run(args, cfg, build_engine, bank):
         with trace.step(step):
             engine.train_batch(iter(batches))
     tracer = trace.tracer
-    per_pass, per_step = [], []
+    handlers, per_step = [], []
     for it in range(STEPS - 1):
-        passes = [(p.start, p.end) for p in tracer.passes if p.iteration == it]
-        spans = sorted(passes + [(a, b) for _, a, b, i in tracer.p2p if i == it])
-        between = sum(max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:]))  # the loop between instructions
-        per_pass.append((sum(b - a for a, b in passes) + between) / max(len(passes), 1))
+        handlers.append(statistics.mean(p.duration for p in tracer.passes if p.iteration == it))
         step = [(name, b - a) for name, a, b, i in tracer.other if i == it and name != "LoadMicroBatch"]
         waited = sum(t for name, t in step if name == "NormWait")  # for the other ranks' norms, within ValidateStep
         per_step.append(sum(t for name, t in step if name != "NormWait") - waited)
-    return statistics.median(per_pass), statistics.median(per_step)
+    between = measured_dispatch(Timeline([tracer.passes], "s", {}), [tracer.p2p])[0]  # the loop between instructions
+    return statistics.median(handlers) + between, statistics.median(per_step)
 
 
 def engine_costs(args, cfg, build_engine, held):
