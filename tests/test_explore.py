@@ -201,6 +201,24 @@ def test_the_chooser_ranks_the_inputs_and_a_profile():
     assert all(max(run['peak_activation_memory'] for run in out['runs']) <= 12 << 20 for _ in [0])
 
 
+def test_memory_over_time_shows_what_a_pass_holds_while_it_runs():
+    """A split head's recomputed logits live inside its fused backward (a memory table's `within`): the curve
+    drawn, from the timeline or from the result's columns, peaks where the simulator's peak is, above every
+    pass's end (dualpipev +vocab, GPTlite small's stored profile, p = 2, m = 4: rank 1 40.3 MiB, 25.7 at the
+    passes' ends)."""
+    profile = Profile.load(Path(__file__).resolve().parent.parent / 'docs' / 'bench' / 'profile-gptlite-small.json')
+    pick = [c for c in choose(profile, 2, 4, split=True, schedules=['dualpipev'], cuts=['uniform']).ranked
+            if c.vocab_parallel][0]
+    result, place, memory = explore.candidate_run(profile, pick, 2, 4)
+    peaks = [row['peak_activation_memory'] for row in result.per_rank]
+    for deps in (True, False):
+        drawn = explore.figures(result, place, False, memory, with_dependencies=deps)['memory']
+        assert [max(live for _, live in points) for points in drawn] == pytest.approx(peaks)
+    ends = explore.figures(result, place, False, {k: {kind: v for kind, v in m.items() if kind != 'within'}
+                                                  for k, m in memory.items()})['memory']
+    assert max(live for _, live in ends[1]) < peaks[1] - 10 * 2**20
+
+
 def test_a_trace_is_drawn_over_its_prediction(tmp_path):
     path = write_trace(tmp_path / "trace.json")
     out = explore.traced({'trace': path.read_text()})

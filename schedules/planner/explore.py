@@ -50,7 +50,7 @@ from schedules.planner.choose import MiB, choose, table, to_json
 from schedules.planner.compose import compose, split_head
 from schedules.planner.profile import Profile
 from schedules.registry import available_schedules, schedule_spec
-from schedules.simulator.simulate import _memory_function, simulate
+from schedules.simulator.simulate import _memory_function, _within_function, simulate
 from schedules.simulator.timeline import Pass, Timeline
 
 STATIC = Path(__file__).with_name('explore_static')
@@ -275,9 +275,10 @@ def drawn_from_columns(result, place, chained, memory=None, units=None):
         return None
     c, meta = made
     rank, start, end, iteration = c['rank'], c['start'], c['end'], c['iteration']
-    delta = _memory_function(memory)
+    delta, within = _memory_function(memory), _within_function(memory)
     change = np.array([delta(r, chunk, kind, place.chunk_size(r, chunk)) for r, chunk, kind, _ in c['keys']],
                       dtype=np.float64)[c['key']]
+    held = np.array([within(r, chunk, kind) for r, chunk, kind, _ in c['keys']], dtype=np.float64)[c['key']]
     bounds = np.searchsorted(rank, np.arange(place.ranks + 1)).tolist()
     focus, t0, t1 = None, 0.0, None
     if chained:
@@ -305,6 +306,10 @@ def drawn_from_columns(result, place, chained, memory=None, units=None):
         # memory over time: 0 from the rank's first start, then after each pass (chained: up to the first that ends
         # after the window, then the window's part of it, opening with what was live at its start)
         times, live = end[lo:hi], np.cumsum(np.concatenate([[0.0], change[lo:hi]]))[1:]  # 0.0 + the first, as a sum
+        inside_pass = np.flatnonzero(held[lo:hi] > 0)  # a pass holding more while it runs: that level, at its end
+        if len(inside_pass):
+            spikes = (live - change[lo:hi] + held[lo:hi])[inside_pass]
+            times, live = np.insert(times, inside_pass, times[inside_pass]), np.insert(live, inside_pass, spikes)
         if not chained:
             points.append([[first, 0.0]] + [[t, x] for t, x in zip(times.tolist(), live.tolist())])
             continue
@@ -342,9 +347,10 @@ def encode(timeline, units=None):
 
 def memory_over_time(timeline, place, memory=None, until=None):
     """Per rank, [[time, activation memory after the pass that ended then], ...]: each pass's change as the
-    simulator's own memory table gives it (`_memory_function`), in the rank's order of passes; with `until`, up to
-    the first pass that ends after it (a rank's passes end in their order)."""
-    delta, deltas = _memory_function(memory), {}
+    simulator's own memory table gives it (`_memory_function`), in the rank's order of passes, and before it, at
+    the same time, what the pass held while it ran where more (the table's `within`); with `until`, up to the first
+    pass that ends after it (a rank's passes end in their order)."""
+    delta, deltas, within = _memory_function(memory), {}, _within_function(memory)
     out = []
     for rank, row in enumerate(timeline.ranks):
         live, points = 0.0, [[row[0].start if row else 0.0, 0.0]]
@@ -354,6 +360,9 @@ def memory_over_time(timeline, place, memory=None, until=None):
             change = deltas.get((rank, q.chunk, q.kind))
             if change is None:
                 change = deltas[rank, q.chunk, q.kind] = delta(rank, q.chunk, q.kind, place.chunk_size(rank, q.chunk))
+            held = within(rank, q.chunk, q.kind)
+            if held > 0:
+                points.append([q.end, live + held])
             live += change
             points.append([q.end, live])
         out.append(points)
