@@ -400,6 +400,13 @@ def test_a_recomputing_slice_holds_its_logits_while_its_backward_runs():
     profile = Profile(costs)
     assert chunk_figures(profile, [0], False)[1]["within"] == {"B": again, "BW": again}
     assert "within" not in chunk_figures(profile, [1], False)[1]
+    # layers holding nothing more while they run, whose neighbours share a storage (one's output, the next one's
+    # input): the chunk holds nothing more either (each storage counted once, as at the passes' ends)
+    from schedules.planner.profile import LayerCost
+    shared = Profile([LayerCost(f"L{i}", 1.0, 1.0, 1.0, 2.0, {"F": [2, 1, 1], "B": [1, 1, 0], "W": [0, 0, 0]})
+                      for i in range(3)])
+    memory = chunk_figures(shared, range(3), False)[1]
+    assert memory["F"] == 4 and "within" not in memory
 
 
 def test_measure_step_times_the_optimizer_stepping_one_flat_tensor():

@@ -179,14 +179,13 @@ def chunk_figures(profile, layers, last):
 def _chunk_within(costs, kind):
     """The most a chunk's pass of `kind` holds above its start while it runs: its layers' passes in the order the
     pass runs them (forward in order, backward in reverse), each holding its own `within` above what the layers
-    before it in the pass have added or freed."""
-    change = {'F': lambda c: c.saved['F'][0], 'B': lambda c: c.saved['B'][0] - c.saved['F'][0],
-              'W': lambda c: c.saved['W'][0] - c.saved['B'][0], 'BW': lambda c: -c.saved['F'][0]}[kind]
-    level = most = 0
-    for c in (costs if kind == 'F' else costs[::-1]):
-        most = max(most, level + c.within.get(kind, 0), level + change(c))
-        level += change(c)
-    return most
+    before it in the pass have added or freed (counted as `_chunk_state` counts them, each shared storage once)."""
+    before, after = {'F': (None, 'F'), 'B': ('F', 'B'), 'W': ('B', 'W'), 'BW': ('F', None)}[kind]
+
+    def change(run):  # what the pass changed over the layers `run` it has passed through
+        return (_chunk_state(run, after) if after else 0) - (_chunk_state(run, before) if before else 0)
+    return max((change(costs[:j] if kind == 'F' else costs[j + 1:]) + c.within[kind]
+                for j, c in enumerate(costs) if c.within.get(kind)), default=0)
 
 
 def compose(profile, placement, parts):
