@@ -48,7 +48,15 @@ def run_record(args, cfg, world):
             "bf16": bool(cfg.get("bf16", {}).get("enabled", False)),
             "micro_batch_size": cfg["train_micro_batch_size_per_gpu"],
             "gradient_accumulation_steps": cfg["gradient_accumulation_steps"],
-            **({"vocab_rows": split_rows(pp)} if model.get("vocab_parallel") else {})}
+            **({"vocab_rows": vocab_rows_of(args)} if model.get("vocab_parallel") else {})}
+
+
+def vocab_rows_of(args):
+    """The rows of the split head's slices this run builds (train.py --vocab-layout)."""
+    fitted = getattr(args, "vocab_fitted", None)
+    if fitted:
+        return [int(r) for r in fitted[0]]
+    return split_rows(args.pipeline_parallel_size, layout=getattr(args, "vocab_layout", "auto") != "even")
 
 
 def split_rows(parts, layout=True):

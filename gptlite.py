@@ -130,17 +130,18 @@ class LMHeadSlice(VocabSlice):
                          recompute=recompute, rows=rows)
 
 
-def layer_specs(config: GPTliteConfig, vocab_parts: int = 1, vocab_recompute: bool = True):
+def layer_specs(config: GPTliteConfig, vocab_parts: int = 1, vocab_recompute: bool = True, vocab_layout=None):
     """(class, args) of every layer in forward order: the one description of the layer list. With
     `vocab_parts` > 1 the head is that many slices (layer indices head .. head + vocab_parts - 1), each
     drawn from the head's seed, laid out by `slice_layout`: all but the last recompute most of their logits in
     their backward and hold fewer rows, evening out the ranks' activation memory (`vocab_recompute=False`:
-    even slices that keep their logits)."""
+    even slices that keep their logits). `vocab_layout`: (rows, recompute) per slice instead, e.g. fitted to a
+    schedule (schedules.planner.layout.fit_slices)."""
     trunk = ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
              [(nn.LayerNorm, (config.n_embd, ))])
     if vocab_parts <= 1:
         return trunk + [(LMHead, (config, ))]
-    rows, recompute = slice_layout(config.vocab_size, vocab_parts, recompute=vocab_recompute)
+    rows, recompute = vocab_layout or slice_layout(config.vocab_size, vocab_parts, recompute=vocab_recompute)
     return trunk + [(LMHeadSlice, (config, k, vocab_parts, recompute[k], tuple(rows)), len(trunk))
                     for k in range(vocab_parts)]
 
@@ -187,7 +188,7 @@ def CrossEntropyLoss_FlatView(logits, labels):
 def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
               partition_method="parameters", pipe_module=None, partition_weights=None, vocab_parallel=False,
-              vocab_recompute=True, **config_overrides):
+              vocab_recompute=True, vocab_layout=None, **config_overrides):
     """The plain GPTlite when `pipeline_num_stages` is 0, else one of its two pipeline builds.
 
     `pipe_module(layers, **kwargs)` builds another PipelineModule from the same layers (LayerSpecs
@@ -195,7 +196,8 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     schedules.pipe_module(name)). `vocab_parallel`: the head as one slice per pipeline rank
     (schedules/runtime/vocab_parallel.py), trained with its loss (`criterion` is not used); the
     micro-batches' inputs must carry the labels (`with_labels`). `vocab_recompute`: the slices laid out to even
-    the ranks' memory (`layer_specs`), else even slices that keep their logits.
+    the ranks' memory (`layer_specs`), else even slices that keep their logits; `vocab_layout`: (rows, recompute)
+    per slice instead.
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
     if not pipeline_num_stages:
@@ -206,7 +208,8 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     if vocab_parallel:
         if pipe_module is None:
             raise ValueError(refusal("this schedule keeps one stage per rank"))
-        specs = layer_specs(config, vocab_parts=pipeline_num_stages, vocab_recompute=vocab_recompute)
+        specs = layer_specs(config, vocab_parts=pipeline_num_stages, vocab_recompute=vocab_recompute,
+                            vocab_layout=vocab_layout)
         build = SeededLayerSpec if pipeline_spec_layers else build_layer
         layers = [build(specs, i, config.seed) for i in range(len(specs))]
         return pipe_module(layers, checkpointable=GPTlitePipe.checkpointable,

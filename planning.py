@@ -196,6 +196,32 @@ def validation_model(args, cfg):
     return "ahead" if policy == "ahead" else "wait"
 
 
+def fit_vocab_layout(args, cfg, profile, rank):
+    """--vocab-parallel with --vocab-layout auto on a GPTlite profile: the slices' rows and recomputed shares fitted
+    to the schedule (schedules.planner.layout.fit_slices), into `args.vocab_fitted`; rank 0 says what it predicts
+    against slice_layout's. Resuming a split checkpoint at this p, its rows are kept (only the recompute is fitted),
+    so it loads as written. The Fitted, or None where nothing is fitted."""
+    if not (args.vocab_parallel and getattr(args, "vocab_layout", "auto") == "auto" and args.model == "gptlite"):
+        return None
+    from schedules.planner.layout import fit_slices
+    MiB = 1 << 20
+    budget = args.max_activation_memory * MiB if getattr(args, "max_activation_memory", None) else None
+    fitted = fit_slices(profile, args.pipeline_schedule, args.pipeline_parallel_size,
+                        cfg["gradient_accumulation_steps"], method=(args.partition_method or "uniform").lower(),
+                        virtual_stages=args.virtual_stages, budget=budget, interlock=getattr(args, "interlock", 1),
+                        validation=validation_model(args, cfg), vocab_size=gptlite_config(args).vocab_size,
+                        rows=getattr(args, "kept_vocab_rows", None))
+    args.vocab_fitted = fitted.layout
+    if rank == 0:
+        def peaks(bytes_):
+            return " / ".join(f"{b / MiB:.1f}" for b in bytes_)
+        print(f"vocab layout: rows {' '.join(map(str, fitted.rows))}, recomputed "
+              f"{' '.join(f'{q:.0%}' for q in fitted.recompute)}, fitted to {args.pipeline_schedule}: predicted "
+              f"{fitted.step * 1e3:.1f} ms a step, peaks {peaks(fitted.peak)} MiB (the balanced layout: "
+              f"{fitted.start[0] * 1e3:.1f} ms, {peaks(fitted.start[1])} MiB)", flush=True)
+    return fitted
+
+
 def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
     """Profile, choose (auto), and set the flags the model and the engine are built from. Returns the
     Choice (None for --partition-method profile alone)."""
@@ -204,7 +230,8 @@ def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
     from schedules.registry import splitting_schedules
     started = time.perf_counter()
     # the split head's slices are measured where the chooser weighs them (GPTlite, `auto`), not for the cut alone
-    profile = measure(args, cfg, batch_of, split=args.model == "gptlite" and args.pipeline_schedule == "auto",
+    profile = measure(args, cfg, batch_of, split=args.model == "gptlite" and (args.pipeline_schedule == "auto"
+                                                                              or bool(args.vocab_parallel)),
                       build_engine=build_engine if args.pipeline_schedule == "auto" else None)
     if save and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
@@ -233,6 +260,9 @@ def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
                              "here)", *table(choice)]), flush=True)
     if (args.partition_method or "").lower() == "profile":
         args.partition_weights = layer_weights(profile, "profile")
+    fitted = fit_vocab_layout(args, cfg, profile, rank)
+    if fitted is not None and choice is not None:  # the pick as it runs: with the fitted layout
+        choice.ranked[0] = replace(choice.pick, step=fitted.step, peak=fitted.peak)
     if rank == 0:
         took = time.perf_counter() - started
         line = summary(choice) if choice else (

@@ -66,6 +66,11 @@ def parse_args(argv=None):
     p.flag("--vocab-parallel", action="store_true",
            help="GPTlite: split the vocabulary head and its loss over the pipeline ranks, one slice each (with a "
                 f"schedule whose last chunk visits every rank: {', '.join(splitting_schedules())})")
+    p.flag("--vocab-layout", default="auto", choices=["auto", "balanced", "even"],
+           help="--vocab-parallel: each slice's rows and the share of them its backward recomputes. auto: fitted to "
+                "the schedule on the measured layers where they are measured (--partition-method profile, "
+                "--pipeline-schedule auto; the fastest predicted with the ranks' activation memory within 1.2x), "
+                "else balanced: the slices alone even in time and memory; even: even rows, nothing recomputed")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
@@ -236,7 +241,9 @@ def build_model(args):
         if args.block_size:
             common["block_size"] = args.block_size
         model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed,
-                                  vocab_parallel=bool(pp and args.vocab_parallel), **common)
+                                  vocab_parallel=bool(pp and args.vocab_parallel),
+                                  vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
+                                  vocab_layout=getattr(args, "vocab_fitted", None), **common)
         return model, gptlite.CrossEntropyLoss_FlatView
     except ValueError as e:  # e.g. a partition that leaves a model stage empty (every rank computes the same cut)
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-parallel-size {pp}: {e}") \
@@ -469,6 +476,8 @@ def main(argv=None):
     cfg = ds_config(args, dp)
     validate(args, cfg, world, on_cpu)
     resume = check_resume(args, cfg, world) if args.resume or args.resume_from else None  # (tag, its record)
+    if resume and len(resume[1].get("vocab_rows") or ()) == args.pipeline_parallel_size:
+        args.kept_vocab_rows = resume[1]["vocab_rows"]  # a fitted layout keeps the checkpoint's rows
     import torch
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))

@@ -44,6 +44,9 @@ def parse_args(argv=None):
                block_size=dict(help="override the size's context (e.g. gpt2 at 64)"),
                stages=dict(nargs="+", default=[2]), micro_batch_size=4, micro_batches=[4])
     p.add_argument("--profile", default=None, help="predict from this saved profile instead of measuring")
+    p.add_argument("--vocab-layouts", nargs="+", default=["auto"], choices=["auto", "balanced", "even"],
+                   help="train.py --vocab-layout of each split configuration (auto: fitted to the schedule on the "
+                        "measured profile; the others are named in the row)")
     p.add_argument("--steps", type=int, default=12, help="steps per launch")
     common.add(p, "warmup", warmup=dict(help="first steps left out of the median"))
     p.add_argument("--trace-steps", type=int, default=2, help="last steps traced (left out of the median)")
@@ -66,8 +69,9 @@ def configurations(args):
             continue
         flags = ["--pipeline-parallel-size", str(p), "--pipeline-schedule", name, "--partition-method", "profile"]
         out.append((name, p, flags, None))
-        if name in split:
-            out.append((f"{name} +vocab", p, flags + ["--vocab-parallel"], None))
+        for layout in args.vocab_layouts if name in split else ():
+            out.append((f"{name} +vocab" + ("" if layout == "auto" else f" ({layout})"), p,
+                        flags + ["--vocab-parallel", "--vocab-layout", layout], None))
     return out
 
 
@@ -166,7 +170,7 @@ def summarise(runs):
                                          for k in range(len(results[0]["peak_saved_bytes"]))])
         rows[name] = row
     one = rows[ONE_PROCESS]["iter_s"]
-    whole = [r["iter_s"] for n, r in rows.items() if n != ONE_PROCESS and not n.endswith("+vocab")]
+    whole = [r["iter_s"] for n, r in rows.items() if n != ONE_PROCESS and "+vocab" not in n]
     for name, row in rows.items():
         row["speedup_vs_one_process"] = one / row["iter_s"]
         if whole:

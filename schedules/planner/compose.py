@@ -60,7 +60,7 @@ def _balanced(weights, parts):
     return list(_BALANCED[key])
 
 
-def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
+def split_head(profile, parts, recompute=True, cost=None, vocab_size=None, layout=None):
     """The profile of the same model with its last layer (the vocabulary head) and the loss split into `parts`
     VocabSlices (schedules/runtime/vocab_parallel.py), laid out as `gptlite.layer_specs(vocab_recompute=...)`
     builds them: `slice_layout(V, parts, recompute, cost)` gives slice k rows_k of the V rows and recomputes
@@ -82,13 +82,23 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
     Where the profile measured the slices themselves (`Profile.slices`, planning.measure: `parts` of them, laid out
     alike, their parameters this layout's rows), those are the split head's layers instead, as measured: the
     derivation charges every row what the whole head and torch's cross-entropy cost per row, more than a slice's
-    own projection and statistics cost on GPTlite small."""
+    own projection and statistics cost on GPTlite small. Measured in another layout (other rows, another p), they
+    are scaled per row instead (`_from_slices`).
+
+    `layout`: (rows, recompute) of every slice, as `slice_layout` gives them or `planner.layout.fit_slices` fits
+    them (then `recompute` and `cost` are not used)."""
     from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
     head, loss = profile.layers[-1], profile.loss
     both = [head] + ([loss] if loss is not None else [])
     cost = RECOMPUTE_COST if cost is None else cost
-    rows, q = slice_layout(vocab_size or _vocab_size(profile) or _NOMINAL_ROWS, parts, recompute=recompute, cost=cost)
-    measured = _measured_slices(profile, rows, recompute)
+    vocab = vocab_size or _vocab_size(profile) or _NOMINAL_ROWS
+    rows, q = layout if layout is not None else slice_layout(vocab, parts, recompute=recompute, cost=cost)
+    rows, q = list(rows), list(q)
+    if len(rows) != parts or len(q) != parts:
+        raise ValueError(f"layout {rows}, {q}: one row count and one recompute share per slice, {parts} of each")
+    measured = _measured_slices(profile, rows, q)
+    if measured is None and getattr(profile, 'slices', None) and _vocab_size(profile):
+        measured = _from_slices(profile, rows, q, cost)
     if measured is not None:
         return replace(profile, layers=[*profile.layers[:-1], *measured], loss=None, slices=None)
     total = sum(rows)
@@ -116,17 +126,66 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None):
     return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None, slices=None)
 
 
-def _measured_slices(profile, rows, recompute):
-    """Copies of the profile's measured slices where they are the head split as asked (as many, the same layout,
-    their parameters the head's in proportion to `rows` where the head's parameters are a multiple of the rows'
-    count), else None."""
-    slices, head = getattr(profile, 'slices', None), profile.layers[-1]
-    if not slices or len(slices) != len(rows) or bool(profile.slices_recompute) != bool(recompute):
-        return None
-    params = [c.params for c in slices]
-    if sum(params) != head.params or (head.params % sum(rows) == 0 and params != _split_count(head.params, rows)):
+def _measured_slices(profile, rows, q):
+    """Copies of the profile's measured slices where they are the head split as asked (as many, the same layout:
+    their rows `rows` and their recompute shares `q`), else None."""
+    slices = getattr(profile, 'slices', None)
+    if not slices or len(slices) != len(rows) or _measured_layout(profile) != (list(rows), list(q)):
         return None
     return [replace(c, saved={k: list(v) for k, v in c.saved.items()}) for c in slices]
+
+
+def _measured_layout(profile):
+    """(rows, recompute) of the profile's measured slices: laid out by `slice_layout` (planning.slice_builders)
+    over the head's rows, its parameters (h V) telling V; None where they do not."""
+    from schedules.runtime.vocab_parallel import slice_layout
+    slices, vocab = profile.slices, _vocab_size(profile)
+    if not vocab:
+        return None
+    rows, q = slice_layout(vocab, len(slices), recompute=profile.slices_recompute)
+    width = profile.layers[-1].params // vocab
+    return (rows, q) if [c.params for c in slices] == [r * width for r in rows] else None
+
+
+def _from_slices(profile, rows, q, cost):
+    """The split head laid out as (rows, q), from slices measured in another layout: a slice's seconds are linear
+    in its rows and its recomputed rows (F, W and the optimizer step per row; B and BW per row and per recomputed
+    row, fitted by least squares over the measured slices; where none recomputed, `cost` x a row's F + B + W), its
+    saved bytes its input plus a micro-batch's logits per kept row (every row after B), its recomputed logits held
+    inside B. Its message and input are the measured slice's in its place (the last's for the last slice, the
+    first's for the others). None where the measured slices' layout is not known."""
+    import numpy as np
+    layout = _measured_layout(profile)
+    if layout is None:
+        return None
+    slices, (had, shares), head = profile.slices, layout, profile.layers[-1]
+    again = [round(s * r) for s, r in zip(shares, had)]
+    total = sum(had)
+    per = {kind: sum(getattr(c, kind) for c in slices) / total for kind in ('F', 'W', 'optimizer')}
+    for kind in ('B', 'BW'):  # seconds = a row's x rows + a recomputed row's x recomputed rows
+        y = [getattr(c, kind) for c in slices]
+        if any(again):
+            (per[kind], per[kind + '+']), *_ = np.linalg.lstsq(np.array([had, again], float).T, y, rcond=None)
+        else:
+            per[kind] = sum(y) / total
+    for kind in ('B', 'BW'):
+        if not any(again):
+            per[kind + '+'] = cost * (per['F'] + per['B'] + per['W'])
+    kept_had = [r - a for r, a in zip(had, again)]
+    logits = sum(c.saved['F'][0] - c.saved['F'][1] for c in slices) / max(sum(kept_had), 1)  # per kept row
+    params, param_bytes = _split_count(head.params, rows), _split_count(head.param_bytes, rows)
+    out = []
+    for k, (r, share) in enumerate(zip(rows, q)):
+        like = slices[-1] if k == len(rows) - 1 else slices[0]
+        redo = round(share * r)
+        own, passed = like.saved['F'][1], like.saved['F'][2]
+        saved = {'F': [own + (r - redo) * logits, own, passed], 'B': [own + r * logits, own, like.saved['B'][2]],
+                 'W': [0, 0, 0]}
+        out.append(replace(like, F=per['F'] * r, B=per['B'] * r + per['B+'] * redo, W=per['W'] * r,
+                           BW=per['BW'] * r + per['BW+'] * redo, saved=saved, params=params[k],
+                           param_bytes=param_bytes[k], optimizer=per['optimizer'] * r,
+                           within={'B': redo * logits, 'BW': redo * logits} if redo else {}))
+    return out
 
 
 _NOMINAL_ROWS = 1 << 30  # a head's row count where the profile does not give it: the layout's shares, unrounded
