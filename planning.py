@@ -196,21 +196,28 @@ def validation_model(args, cfg):
     return "ahead" if policy == "ahead" else "wait"
 
 
-def fit_vocab_layout(args, cfg, profile, rank):
+def fit_vocab_layout(args, cfg, profile, rank, choice=None):
     """--vocab-parallel with --vocab-layout auto on a GPTlite profile: the slices' rows and recomputed shares fitted
-    to the schedule (schedules.planner.layout.fit_slices), into `args.vocab_fitted`; rank 0 says what it predicts
-    against slice_layout's. Resuming a split checkpoint at this p, its rows are kept (only the recompute is fitted),
-    so it loads as written. The Fitted, or None where nothing is fitted."""
+    to the schedule (schedules.planner.layout.fit_slices; `auto`'s pick comes with its own), into
+    `args.vocab_fitted`; rank 0 says what it predicts against slice_layout's. Resuming a split checkpoint at this
+    p, its rows are kept (only the recompute is fitted), so it loads as written. The Fitted, or None where nothing
+    is fitted."""
     if not (args.vocab_parallel and getattr(args, "vocab_layout", "auto") == "auto" and args.model == "gptlite"):
         return None
     from schedules.planner.layout import fit_slices
     MiB = 1 << 20
-    budget = args.max_activation_memory * MiB if getattr(args, "max_activation_memory", None) else None
-    fitted = fit_slices(profile, args.pipeline_schedule, args.pipeline_parallel_size,
-                        cfg["gradient_accumulation_steps"], method=(args.partition_method or "uniform").lower(),
-                        virtual_stages=args.virtual_stages, budget=budget, interlock=getattr(args, "interlock", 1),
-                        validation=validation_model(args, cfg), vocab_size=gptlite_config(args).vocab_size,
-                        rows=getattr(args, "kept_vocab_rows", None))
+    kept = getattr(args, "kept_vocab_rows", None)
+    fitted = choice.pick.vocab_layout if choice is not None and not kept else None
+    if fitted is None:
+        budget = args.max_activation_memory * MiB if getattr(args, "max_activation_memory", None) else None
+        fitted = fit_slices(profile, args.pipeline_schedule, args.pipeline_parallel_size,
+                            cfg["gradient_accumulation_steps"], method=(args.partition_method or "uniform").lower(),
+                            virtual_stages=args.virtual_stages, budget=budget, interlock=getattr(args, "interlock", 1),
+                            validation=validation_model(args, cfg), vocab_size=gptlite_config(args).vocab_size,
+                            rows=kept)
+        if choice is not None:  # the pick as it runs: in the layout it keeps
+            choice.ranked[0] = replace(fitted.candidate, cut=choice.pick.cut, vocab_parallel=True,
+                                       vocab_layout=fitted)
     args.vocab_fitted = fitted.layout
     if rank == 0:
         def peaks(bytes_):
@@ -245,6 +252,8 @@ def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
             choice = choose(profile, args.pipeline_parallel_size, cfg["gradient_accumulation_steps"],
                             args.max_activation_memory, cuts=cuts, interlock=getattr(args, "interlock", 1),
                             validation=validation_model(args, cfg), split=split,
+                            fit_layouts=getattr(args, "vocab_layout", "auto") == "auto",
+                            vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
                             schedules=splitting_schedules(args.pipeline_parallel_size) if args.vocab_parallel
                             else None)
             if args.vocab_parallel:
@@ -260,9 +269,7 @@ def plan(args, cfg, batch_of, rank, save=None, build_engine=None):
                              "here)", *table(choice)]), flush=True)
     if (args.partition_method or "").lower() == "profile":
         args.partition_weights = layer_weights(profile, "profile")
-    fitted = fit_vocab_layout(args, cfg, profile, rank)
-    if fitted is not None and choice is not None:  # the pick as it runs: with the fitted layout
-        choice.ranked[0] = replace(choice.pick, step=fitted.step, peak=fitted.peak)
+    fit_vocab_layout(args, cfg, profile, rank, choice)
     if rank == 0:
         took = time.perf_counter() - started
         line = summary(choice) if choice else (

@@ -210,10 +210,11 @@ def predictions(args):
     for p in args.stages:
         # the split head measured as train.py builds it can be cheaper than the whole head and its loss: the bound
         # takes the cheaper of the two models
-        least = min(work, work_of(split_head(profile, p)))
+        least = min(work, work_of(split_head(profile, p, recompute=False)))  # nothing recomputed: the least work
         for m in args.micro_batches:
             try:
-                ranked = choose(profile, p, m, split=True).ranked
+                fit = "auto" in getattr(args, "vocab_layouts", ["auto"])
+                ranked = choose(profile, p, m, split=True, fit_layouts=fit).ranked
             except ValueError as e:
                 rows.append({"stages": p, "micro_batches": m, "error": str(e)})
                 continue

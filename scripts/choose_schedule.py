@@ -93,9 +93,10 @@ def plan(profile, opts):
     for p in opts.stages:
         for m in opts.micro_batches:
             try:
-                # a GPTlite profile: also its vocabulary head split over the ranks (train.py --vocab-parallel)
+                # a GPTlite profile: also its vocabulary head split over the ranks (train.py --vocab-parallel), the
+                # slices laid out for each schedule (--vocab-layout auto)
                 choice = choose(profile, p, m, opts.max_activation_memory, cuts=opts.cuts or CUTS,
-                                split=profile.meta.get("model") == "gptlite")
+                                split=profile.meta.get("model") == "gptlite", fit_layouts=True)
             except ValueError as e:
                 print(f"p = {p}, m = {m}: {e}")
                 out[(p, m)] = str(e)

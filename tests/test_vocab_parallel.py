@@ -240,8 +240,9 @@ def test_a_resume_takes_the_head_split_or_whole():
 # --- real ranks ---------------------------------------------------------------------------------
 # (ranks, flags, model, micro-batches, ZeRO stage): every schedule that splits the head, p = 2 and 4
 CASES = {
-    "zb-v-pp2-interlock2": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--interlock", "2"],
-                            TINY, 8, 0),
+    # its slices' rows and recompute fitted on the measured profile (--vocab-layout auto), for interlocked steps
+    "zb-v-pp2-interlock2-fitted": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--interlock",
+                                       "2", "--partition-method", "profile"], TINY, 8, 0),
     "dualpipev-pp2-spec": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipev",
                                "--pipeline-spec-layers"], TINY, 8, 1),
     "interleaved-pp2-zero0": (2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", "interleaved"], TINY, 8, 0),
@@ -459,9 +460,11 @@ def _measured(profile, rows, scale=0.5):
 
 def test_the_planner_takes_the_slices_measured_as_train_py_builds_them():
     """With the slices measured (Profile.slices: as many, laid out alike) split_head's last layers are those, figure
-    for figure; another count, the other layout, or slices not of this layout's rows: derived as before."""
+    for figure; another count or the other layout: scaled from them per row (compose._from_slices); slices not of
+    their layout's rows: derived from the head as before."""
     from schedules.planner.choose import choose
-    from schedules.planner.compose import split_head
+    from schedules.planner.compose import _from_slices, split_head
+    from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
     profile, derived, rows, _ = _gptlite_small_head(2)
     _, derived_even, even_rows, _ = _gptlite_small_head(2, recompute=False)
     n = len(profile.layers) - 1
@@ -473,14 +476,17 @@ def test_the_planner_takes_the_slices_measured_as_train_py_builds_them():
     assert split.layers[n:] != derived.layers[n:]
     split.layers[n].saved["F"][0] = 0  # a copy: the profile's slices stay as measured
     assert slices[0].saved["F"][0] == 1000
-    # derived where the measured slices are not the head asked for
-    assert split_head(measured, 2, recompute=False).layers[n:] == derived_even.layers[n:]
-    assert split_head(measured, 4).layers[n:] == _gptlite_small_head(4)[1].layers[n:]
+    # scaled from them where they are not the layout asked for
+    vocab = sum(rows)
+    assert split_head(measured, 2, recompute=False).layers[n:] == \
+        _from_slices(measured, even_rows, [0.0, 0.0], RECOMPUTE_COST) != derived_even.layers[n:]
+    assert split_head(measured, 4).layers[n:] == _from_slices(measured, *slice_layout(vocab, 4), RECOMPUTE_COST)
+    # derived from the head where their rows are not their layout's
     assert split_head(replace(profile, slices=_measured(profile, even_rows), slices_recompute=True), 2).layers[n:] \
         == derived.layers[n:]
     even = replace(profile, slices=_measured(profile, even_rows), slices_recompute=False)
     assert split_head(even, 2, recompute=False).layers[n:] == _measured(profile, even_rows)
-    assert split_head(even, 2).layers[n:] == derived.layers[n:]
+    assert split_head(even, 2).layers[n:] == _from_slices(even, rows, slice_layout(vocab, 2)[1], RECOMPUTE_COST)
     # the chooser composes them: slices at half the derived time, a faster split step
     kw = dict(split=True, schedules=["zb-v"], cuts=["uniform"])
     steps = [[c for c in choose(p, 2, 4, **kw).ranked if c.vocab_parallel][0].step for p in (profile, measured)]
@@ -521,6 +527,72 @@ def test_every_split_schedules_peaks_are_predicted_as_measured(schedule, measure
         assert [b / 2**20 for b in split.peak] == pytest.approx(measured, abs=0.15), schedule
 
 
+def _stored_small():
+    import os
+
+    from schedules.planner.profile import Profile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return Profile.load(os.path.join(root, "docs", "bench", "profile-gptlite-small.json"))
+
+
+def test_slices_measured_in_one_layout_predict_another():
+    """compose._from_slices: the stored profile's slices (measured as slice_layout lays them out at p = 2) scaled
+    per row and per recomputed row. In their own layout the totals and each B are theirs; twice the rows, twice the
+    seconds and the kept logits; the last slice passes on the loss, the others the hidden state."""
+    from schedules.planner.compose import _from_slices, split_head
+    from schedules.runtime.vocab_parallel import RECOMPUTE_COST, slice_layout
+    profile = _stored_small()
+    rows, q = slice_layout(50257, 2)
+    measured = split_head(profile, 2).layers[-2:]
+    assert measured == profile.slices  # the layout measured: the slices themselves
+    scaled = _from_slices(profile, rows, q, RECOMPUTE_COST)
+    for kind in "FWB":
+        assert sum(getattr(c, kind) for c in scaled) == pytest.approx(sum(getattr(c, kind) for c in measured))
+    assert [c.B for c in scaled] == pytest.approx([c.B for c in measured])  # two slices, two unknowns: exact
+    assert [c.params for c in scaled] == [c.params for c in measured]
+    assert [c.saved["F"][0] for c in scaled] == pytest.approx([c.saved["F"][0] for c in measured], rel=0.01)
+    assert [c.output_bytes for c in scaled] == [c.output_bytes for c in measured]
+    kept = _from_slices(profile, [16000, 34257], [0.0, 0.0], RECOMPUTE_COST)
+    assert kept[1].F / kept[0].F == pytest.approx(34257 / 16000) and not kept[0].within
+    logits = [c.saved["F"][0] - c.saved["F"][1] for c in kept]
+    assert logits[1] / logits[0] == pytest.approx(34257 / 16000)
+    redo = _from_slices(profile, [16000, 34257], [0.5, 0.0], RECOMPUTE_COST)[0]
+    assert redo.F == kept[0].F and redo.B > kept[0].B and redo.within["B"] == pytest.approx(logits[0] / 2)
+
+
+def test_a_fitted_layout_is_predicted_faster_within_the_balance():
+    """planner.layout.fit_slices on the stored GPTlite small profile (zb-v, p = 2, m = 4): slice_layout's layout
+    evens the slices alone, while the rank with the embedding does more; the fitted one moves rows to the other
+    rank and recomputes less, predicted at least 3% faster with the ranks' peaks within BALANCE. Its prediction is
+    the chooser's for that layout; a budget caps its peak; kept rows stay."""
+    from schedules.planner.candidate import simulated
+    from schedules.planner.compose import cut, split_head
+    from schedules.planner.layout import BALANCE, fit_slices
+    from schedules.registry import schedule_spec
+    from schedules.runtime.vocab_parallel import slice_layout
+    profile, balanced = _stored_small(), slice_layout(50257, 2)
+    fit = fit_slices(profile, "zb-v", 2, 4)
+    assert sum(fit.rows) == 50257 and fit.rows[0] > balanced[0][0] and fit.recompute[0] < balanced[1][0]
+    assert fit.step < 0.97 * fit.start[0] and max(fit.peak) / min(fit.peak) <= BALANCE
+    assert max(fit.start[1]) / min(fit.start[1]) < max(fit.peak) / min(fit.peak)  # the memory it spends
+    spec = schedule_spec("zb-v")
+    split = split_head(profile, 2, layout=fit.layout)
+    parts = cut(split, "uniform", 4, slices=2)
+    assert simulated(split, spec, None, "uniform", parts, spec.placement(2), 4).step == pytest.approx(fit.step)
+    budget = (max(fit.start[1]) + max(fit.peak)) / 2
+    capped = fit_slices(profile, "zb-v", 2, 4, budget=budget)
+    assert max(capped.peak) <= budget and fit.step <= capped.step < capped.start[0]
+    kept = fit_slices(profile, "zb-v", 2, 4, rows=balanced[0])
+    assert kept.rows == balanced[0] and kept.step <= kept.start[0]
+    # where slice_layout's own peaks are further apart than BALANCE (dualpipev at p = 4, the trunk cut by layer
+    # count), the fit is never slower and never further apart than it
+    wide = fit_slices(profile, "dualpipev", 4, 8)
+    ratio = [max(p) / min(p) for p in (wide.start[1], wide.peak)]
+    assert ratio[0] > BALANCE and ratio[1] <= ratio[0] and wide.step <= wide.start[0]
+    with pytest.raises(ValueError, match="2 slices of 50257 rows"):
+        fit_slices(profile, "zb-v", 2, 4, rows=[1, 2])
+
+
 def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
     from schedules.planner.choose import choose
     whole = choose(_head_heavy(), 4, 8)
@@ -545,4 +617,7 @@ def test_train_auto_with_vocab_parallel_picks_and_trains_a_split_head():
     assert run.ok, run.explain()
     chose = [line for line in run.stdout[0].splitlines() if line.startswith("auto: chose ")]
     assert len(chose) == 1 and " +vocab with the " in chose[0], run.stdout[0]
+    # its slices laid out for the pick (--vocab-layout auto): every row once
+    fitted = [line for line in run.stdout[0].splitlines() if line.startswith("vocab layout: rows ")]
+    assert len(fitted) == 1 and sum(map(int, fitted[0].split(",")[0].split()[3:])) == 50257, run.stdout[0]
     assert [line for line in run.stdout[0].splitlines() if line.startswith("step 2/2: loss ")]

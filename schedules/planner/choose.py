@@ -19,45 +19,19 @@ post-validation policy does (`validation`: 'wait' or 'ahead' before the next ste
 speculating past it). That favours the schedules whose bubble only interlocking removes (ZB-H2, ZB-V).
 DeepSpeed's own engines (stock 1F1B, its DualPipeV) still synchronise every step: their synchronised step.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from schedules.errors import ScheduleError
-from schedules.planner.compose import CUTS, compose, cut, split_head
+from schedules.planner.candidate import simulated
+from schedules.planner.compose import CUTS, cut, split_head
 from schedules.registry import schedule_spec, splitting_schedules, trainable_schedules
-from schedules.simulator.simulate import simulate
 
 MiB = 1 << 20
 
 
 class NoScheduleFits(ValueError):
     """No candidate's predicted peak activation memory is within the budget."""
-
-
-@dataclass
-class Candidate:
-    schedule: str
-    virtual_stages: Optional[int]
-    cut: str  # the partition method (methods giving the same cut are joined by '=')
-    parts: list  # layer boundaries of the model stages
-    step: float = 0.0  # predicted seconds per step: span + outside (interlocked: the period of chained steps)
-    span: float = 0.0  # the simulator's synchronised makespan
-    outside: float = 0.0
-    bubble: list = field(default_factory=list)  # idle fraction of the span per rank
-    peak: list = field(default_factory=list)  # predicted peak activation bytes per rank
-    params: list = field(default_factory=list)  # parameters per rank
-    synchronised: float = 0.0  # predicted seconds per step with a synchronised step end (span + outside)
-    vocab_parallel: bool = False  # the head split over the ranks (train.py --vocab-parallel)
-
-    @property
-    def label(self):
-        return (self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages else "")
-                + (" +vocab" if self.vocab_parallel else ""))
-
-    @property
-    def method(self):
-        """The partition method to build the model with (the first of equivalent ones)."""
-        return self.cut.split('=')[0]
 
 
 @dataclass
@@ -122,7 +96,7 @@ def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, vali
                 by_parts.setdefault(tuple(parts), []).append(method)
             for parts, methods in by_parts.items():
                 try:
-                    found = _simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
+                    found = simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
                                        interlock if spec.engine is not None else 1, validation)
                     found.vocab_parallel = bool(slices)
                     out.append(found)
@@ -131,32 +105,32 @@ def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, vali
     return out, skipped
 
 
-def _simulated(profile, spec, v, method, parts, placement, micro_batches, interlock=1, validation="wait"):
-    figures = compose(profile, placement, parts)
-    p2p = profile.p2p
-    common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],
-                  latency=p2p['latency'] + p2p['per_byte'] * figures['message_bytes'],
-                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch)
-    result = simulate(spec.factory, placement.ranks, micro_batches, iterations=1, **common)
-    outside = max(figures['outside'])
-    bubble = [row['idle_synced'] / result.makespan for row in result.per_rank]
-    step = result.makespan + outside
-    if interlock > 1:  # chained: each rank's step in its own stream, validated as the policy does
-        chained = simulate(spec.factory, placement.ranks, micro_batches, iterations=max(3, interlock),
-                           step_cost=dict(enumerate(figures['outside'])), validation=validation, **common)
-        step = chained.period
-        bubble = [row['idle_interlocked'] / chained.period for row in chained.per_rank]
-    return Candidate(spec.name, v, method, parts, step, result.makespan, outside, bubble,
-                     [row['peak_activation_memory'] for row in result.per_rank], figures['params'],
-                     result.makespan + outside)
+FITTED = 3  # the fastest split candidates whose slices' layout `choose(fit_layouts=True)` fits
+
+
+def _fit_layouts(profile, stages, micro_batches, found, budget, interlock, validation):
+    """`found` with its FITTED fastest split candidates each in the layout fitted to it (planner.layout.fit_slices:
+    never predicted slower than slice_layout's)."""
+    from schedules.planner.layout import fit_slices
+    split = sorted((c for c in found if c.vocab_parallel), key=lambda c: c.step)[:FITTED]
+    fitted = {}
+    for c in split:
+        try:
+            fit = fit_slices(profile, c.schedule, stages, micro_batches, method=c.method, budget=budget,
+                             virtual_stages=c.virtual_stages, interlock=interlock, validation=validation)
+        except ValueError:  # the profile does not tell the head's rows: slice_layout's stays
+            continue
+        fitted[id(c)] = replace(fit.candidate, cut=c.cut, vocab_parallel=True, vocab_layout=fit)
+    return [fitted.get(id(c), c) for c in found]
 
 
 def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS, schedules=None, interlock=1,
-           validation="wait", split=False, vocab_recompute=True):
+           validation="wait", split=False, vocab_recompute=True, fit_layouts=False):
     """The ranked Choice for `stages` pipeline ranks and `micro_batches` per step; `max_activation_memory`
     in MiB per rank (None: no limit); `interlock` steps per call, their validation (see above); `split`: the
     profile's last layer is a vocabulary head, which the schedules that can may split over the ranks, laid out as
-    `gptlite.layer_specs(vocab_recompute=...)` lays it out (train.py: the default, True). Raises
+    `gptlite.layer_specs(vocab_recompute=...)` lays it out (train.py: the default, True); `fit_layouts`: the
+    fastest split candidates in the layout fitted to each (train.py --vocab-layout auto, `_fit_layouts`). Raises
     ValueError for p < 2, NoScheduleFits when nothing is within the budget (naming the least memory any
     candidate needs)."""
     if stages < 2:
@@ -165,6 +139,10 @@ def choose(profile, stages, micro_batches, max_activation_memory=None, cuts=CUTS
         raise ValueError(f"{micro_batches} micro-batches: need at least 1")
     found, skipped = candidates(profile, stages, micro_batches, cuts, schedules, interlock, validation, split,
                                 vocab_recompute)
+    if split and fit_layouts and vocab_recompute:
+        found = _fit_layouts(profile, stages, micro_batches, found,
+                             None if max_activation_memory is None else max_activation_memory * MiB, interlock,
+                             validation)
     if not found:
         raise ValueError(f"no schedule runs at p = {stages}, m = {micro_batches}: "
                          + "; ".join(f"{label}: {why}" for label, why in skipped[:3]))
@@ -207,9 +185,12 @@ def summary(choice):
            else "the only schedule that fits")
     budget = "" if choice.budget is None else \
         f", peak {max(pick.peak) / MiB:.1f} MiB within --max-activation-memory {choice.budget:g} MiB"
+    fit = pick.vocab_layout
+    layout = "" if fit is None else \
+        f", its slices' rows {' '.join(map(str, fit.rows))} ({' '.join(f'{q:.0%}' for q in fit.recompute)} recomputed)"
     return (f"chose {pick.label} with the {pick.method} cut (layers {pick.parts}) at p = {choice.stages}, "
             f"m = {choice.micro_batches}: predicted {pick.step * 1e3:.1f} ms per step{_interlocked(choice)}, "
-            f"{why}{budget}")
+            f"{why}{budget}{layout}")
 
 
 def _interlocked(choice):
@@ -228,7 +209,9 @@ def to_json(choice):
         return {'schedule': c.schedule, 'virtual_stages': c.virtual_stages, 'cut': c.cut, 'parts': c.parts,
                 'step_s': c.step, 'span_s': c.span, 'outside_s': c.outside, 'bubble': c.bubble,
                 'peak_bytes': c.peak, 'params': c.params, 'synchronised_s': c.synchronised,
-                'vocab_parallel': c.vocab_parallel}
+                'vocab_parallel': c.vocab_parallel,
+                **({'vocab_rows': c.vocab_layout.rows, 'vocab_recompute': c.vocab_layout.recompute}
+                   if c.vocab_layout else {})}
     return {'stages': choice.stages, 'micro_batches': choice.micro_batches, 'budget_mib': choice.budget,
             'interlock': choice.interlock,
             'ranked': [row(c) for c in choice.ranked], 'dropped': [row(c) for c in choice.dropped],

@@ -165,7 +165,8 @@ def _from_slices(profile, rows, q, cost):
     for kind in ('B', 'BW'):  # seconds = a row's x rows + a recomputed row's x recomputed rows
         y = [getattr(c, kind) for c in slices]
         if any(again):
-            (per[kind], per[kind + '+']), *_ = np.linalg.lstsq(np.array([had, again], float).T, y, rcond=None)
+            fitted, *_ = np.linalg.lstsq(np.array([had, again], float).T, y, rcond=None)
+            per[kind], per[kind + '+'] = (float(x) for x in fitted)
         else:
             per[kind] = sum(y) / total
     for kind in ('B', 'BW'):

@@ -450,7 +450,7 @@ def chosen(req):
 
 def candidate_run(profile, candidate, stages, micro_batches):
     """(SimResult, placement, memory table) of a chooser's candidate: its costs composed from the profile and
-    simulated with the arguments the chooser gives (schedules/planner/choose.py, `_simulated`)."""
+    simulated with the arguments the chooser gives (schedules/planner/candidate.py, `simulated`)."""
     spec = schedule_spec(candidate.schedule, candidate.virtual_stages)
     place = spec.placement(stages)
     if candidate.vocab_parallel:  # its parts cut the model with the head split into a slice per rank

@@ -6,19 +6,22 @@ the same peak for every slice, as if nothing else ran on their ranks. But a rank
 trunk and its optimizer step: on GPTlite small at p = 2 the rank holding the embedding does 60 ms more a step,
 and the first stage of the trunk holds the most micro-batches. `fit_slices` searches the layout with the
 simulator instead: the fastest predicted step whose ranks' peak activation memories stay within `balance` of each
-other (and under `budget`, where given), starting from `slice_layout`'s. It moves rows between slices and changes
-each slice's recomputed share, in steps that halve (a pattern search; every point one simulation, under a
-millisecond at p = 2), and keeps a move only where it is predicted faster and still within the bounds. Where
+other (and under `budget`, where given), starting from `slice_layout`'s. Near its fastest a layout's step is flat:
+of layouts alike in time the one whose ranks are busy alike is kept (BUSY_WEIGHT). It moves rows between slices
+and changes each slice's recomputed share, in steps that halve (a pattern search; every point one simulation,
+under a millisecond at p = 2), and keeps a move only where it scores better and stays within the bounds. Where
 `slice_layout`'s layout is itself outside them, its own ratio and peak are the bounds: a fitted layout is never
 predicted slower, less even or larger than it.
 """
 from dataclasses import dataclass, field
 
-from schedules.planner.choose import _simulated
+from schedules.planner.candidate import simulated
 from schedules.planner.compose import _vocab_size, cut, split_head
 from schedules.registry import schedule_spec
 
 BALANCE = 1.2  # the most the ranks' predicted peaks may differ (max / min) in a fitted layout
+BUSY_WEIGHT = 0.25  # what the ranks' predicted busy times being apart (max / min - 1) weighs against the step: near
+# its fastest a layout's step is flat, and of layouts alike in time the one whose ranks work alike is kept
 SHARE_STEPS = (0.04, 0.02, 0.01, 0.005)  # rows moved between two slices, as shares of the vocabulary
 RECOMPUTE_STEPS = (0.2, 0.1, 0.05, 0.025)  # changes of a slice's recomputed share
 MAX_POINTS = 2000  # simulations at most
@@ -32,7 +35,7 @@ class Fitted:
     peak: list  # predicted peak activation bytes per rank
     start: tuple  # (step, peak) of slice_layout's layout, where the search began
     points: int = 0  # layouts simulated
-    notes: list = field(default_factory=list)
+    candidate: object = field(default=None, repr=False)  # the chooser's Candidate of this layout (candidate.Candidate)
 
     @property
     def layout(self):
@@ -61,9 +64,9 @@ def fit_slices(profile, schedule, stages, micro_batches, method="uniform", virtu
         if key not in seen:
             split = split_head(profile, stages, layout=(rows, q), vocab_size=vocab)
             parts = cut(split, method, placement.num_stages, slices=stages)
-            found = _simulated(split, spec, virtual_stages, method, parts, placement, micro_batches,
+            found = simulated(split, spec, virtual_stages, method, parts, placement, micro_batches,
                                interlock if spec.engine is not None else 1, validation)
-            seen[key] = (rows, list(q), found.step, found.peak)
+            seen[key] = (rows, list(q), found.step, found.peak, found, _ratio(_busy(found)))
         return seen[key]
 
     kept = rows is not None
@@ -75,20 +78,29 @@ def fit_slices(profile, schedule, stages, micro_batches, method="uniform", virtu
     # the bounds: the start's own where it is outside them (a layout no less even, no larger, only faster)
     ratio = max(balance, _ratio(start[3]))
     ceiling = None if budget is None else max(budget, max(start[3]))
+
+    def score(point):
+        return point[2] * (1 + BUSY_WEIGHT * (point[5] - 1))
     for share_step, q_step in zip(SHARE_STEPS, RECOMPUTE_STEPS):
         improved = True
         while improved and len(seen) < MAX_POINTS:
             improved = False
             for moved_shares, moved_q in _moves(shares, q, 0 if kept else share_step, q_step):
                 point = predicted(moved_shares, moved_q)
-                if point[2] < best[2] and _ratio(point[3]) <= ratio and (ceiling is None or max(point[3]) <= ceiling):
+                if score(point) < score(best) and point[2] <= start[2] and _ratio(point[3]) <= ratio and \
+                        (ceiling is None or max(point[3]) <= ceiling):
                     best, shares, q, improved = point, moved_shares, moved_q, True
-    rows, q, step, peak = best
-    return Fitted(rows, q, step, peak, (start[2], start[3]), len(seen))
+    rows, q, step, peak, found, _ = best
+    return Fitted(rows, q, step, peak, (start[2], start[3]), len(seen), found)
 
 
-def _ratio(peak):
-    return max(peak) / max(min(peak), 1)
+def _ratio(values):
+    return max(values) / max(min(values), 1e-12)
+
+
+def _busy(candidate):
+    """Each rank's predicted seconds of passes in the step: the span less its idle share."""
+    return [candidate.span * (1 - idle) for idle in candidate.bubble]
 
 
 def _moves(shares, q, share_step, q_step):
