@@ -170,7 +170,11 @@ def _validate_auto(args, need):
 
 def _validate_vocab_parallel(args, need):
     """--vocab-parallel: GPTlite's head split over the ranks, one slice each, on a schedule whose last chunk
-    visits every rank (schedules/runtime/vocab_parallel.py)."""
+    visits every rank (schedules/runtime/vocab_parallel.py). --vocab-layout lays its slices out: it needs one (auto
+    may choose one)."""
+    layout = getattr(args, "vocab_layout", "auto")
+    need(layout == "auto" or args.vocab_parallel or args.pipeline_schedule == "auto",
+         f"--vocab-layout {layout} lays out the slices of a split head: add --vocab-parallel, or drop --vocab-layout")
     if not args.vocab_parallel:
         return
     from schedules.registry import splitting_schedules

@@ -215,6 +215,13 @@ def test_schedules_that_cannot_split_the_head_are_refused(flags, expected, monke
     assert_one_error_line(status, stderr, expected)
 
 
+def test_a_vocab_layout_without_a_split_head_is_refused(monkeypatch, capsys):
+    argv = [*TINY, "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--vocab-layout", "even"]
+    status, stderr, _ = run_in_process(argv, monkeypatch, capsys, world=2)
+    assert_one_error_line(status, stderr, "--vocab-layout even lays out the slices of a split head: add "
+                                          "--vocab-parallel, or drop --vocab-layout")
+
+
 def test_a_resume_takes_the_head_split_or_whole():
     """The split and the unsplit head are one model to a resume (tests/test_resume_anywhere.py moves them)."""
     from checkpoints import layout_changes, resume_refusal
@@ -591,6 +598,29 @@ def test_a_fitted_layout_is_predicted_faster_within_the_balance():
     assert ratio[0] > BALANCE and ratio[1] <= ratio[0] and wide.step <= wide.start[0]
     with pytest.raises(ValueError, match="2 slices of 50257 rows"):
         fit_slices(profile, "zb-v", 2, 4, rows=[1, 2])
+
+
+def test_train_py_fits_the_layout_it_builds_and_records(capsys):
+    """planning.fit_vocab_layout (--vocab-parallel, --vocab-layout auto, the layers measured): the fitted rows go to
+    the model and the checkpoint's record; a resume keeps a checkpoint's rows; `balanced` and `even` fit nothing."""
+    from types import SimpleNamespace
+
+    import planning
+    from checkpoints import split_rows, vocab_rows_of
+    profile = _stored_small()
+    args = SimpleNamespace(vocab_parallel=True, vocab_layout="auto", model="gptlite", model_size="small", n_layer=None,
+                           dropout=0.0, seed=0, block_size=None, pipeline_schedule="zb-v", pipeline_parallel_size=2,
+                           partition_method=None, virtual_stages=None, interlock=1, max_activation_memory=None)
+    cfg = {"gradient_accumulation_steps": 4}
+    fit = planning.fit_vocab_layout(args, cfg, profile, rank=0)
+    assert args.vocab_fitted == fit.layout and vocab_rows_of(args) == fit.rows != split_rows(2)
+    said = capsys.readouterr().out
+    assert said.startswith(f"vocab layout: rows {fit.rows[0]} {fit.rows[1]}, recomputed ") and "fitted to zb-v" in said
+    args.kept_vocab_rows = split_rows(2)
+    assert planning.fit_vocab_layout(args, cfg, profile, rank=1).rows == split_rows(2) == vocab_rows_of(args)
+    for layout, rows in (("balanced", split_rows(2)), ("even", split_rows(2, layout=False))):
+        plain = SimpleNamespace(**{**vars(args), "vocab_layout": layout, "vocab_fitted": None})
+        assert planning.fit_vocab_layout(plain, cfg, profile, rank=0) is None and vocab_rows_of(plain) == rows
 
 
 def test_the_chooser_considers_the_split_head_and_picks_it_when_faster():
