@@ -476,8 +476,13 @@ def main(argv=None):
     cfg = ds_config(args, dp)
     validate(args, cfg, world, on_cpu)
     resume = check_resume(args, cfg, world) if args.resume or args.resume_from else None  # (tag, its record)
-    if resume and len(resume[1].get("vocab_rows") or ()) == args.pipeline_parallel_size:
-        args.kept_vocab_rows = resume[1]["vocab_rows"]  # a fitted layout keeps the checkpoint's rows
+    rows = resume[1].get("vocab_rows") if resume else None
+    if rows and len(rows) == args.pipeline_parallel_size and args.vocab_parallel and args.vocab_layout == "auto":
+        # the checkpoint's rows are kept, so it loads as written: their recompute fitted where the layers are
+        # measured (planning.fit_vocab_layout), else slice_layout's
+        from schedules.runtime.vocab_parallel import slice_layout
+        args.kept_vocab_rows = rows
+        args.vocab_fitted = (rows, slice_layout(sum(rows), len(rows))[1])
     import torch
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores: one thread each when crowded
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))

@@ -293,16 +293,23 @@ def test_user_model_with_the_library_slices_equals_its_unsplit_self():
 
 @pytest.mark.multiprocess
 def test_split_head_resumes_and_trains_in_bf16(tmp_path):
-    """A checkpoint of the split model resumes with the same next loss; bf16 (DeepSpeed's BF16 optimizer,
-    ZeRO 1) trains it within bf16's precision of fp32, traced with its activation memory."""
+    """A checkpoint of the split model, its layout fitted (--partition-method profile), resumes with the same next
+    loss and keeps its rows; bf16 (DeepSpeed's BF16 optimizer, ZeRO 1) trains it within bf16's precision of fp32,
+    traced with its activation memory."""
     run = [*TINY, "--steps", "3", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4",
            "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v", "--vocab-parallel", "--dist-timeout", "120"]
-    flags = run + ["--save-dir", tmp_path / "ckpt", "--save-interval", "2"]
+    flags = run + ["--save-dir", tmp_path / "ckpt", "--save-interval", "2", "--partition-method", "profile"]
     full = launch(2, flags + ["--metrics-file", tmp_path / "full.jsonl"])
     assert full.ok, full.explain()
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     resumed = launch(2, flags + ["--resume", "--metrics-file", tmp_path / "resumed.jsonl"])
     assert resumed.ok, resumed.explain()
+
+    def rows(out):  # the "vocab layout: rows A B, recomputed ..." line's rows
+        return [line.split(",")[0].split()[3:] for line in out.splitlines() if line.startswith("vocab layout: rows")]
+    assert len(rows(full.stdout[0])) == 1 and rows(resumed.stdout[0]) == rows(full.stdout[0])
+    saved = json.loads((tmp_path / "ckpt" / "global_step2" / "run.json").read_text())
+    assert saved["vocab_rows"] == [int(r) for r in rows(full.stdout[0])[0]]
     trace = tmp_path / "bf16.trace.json"
     bf16 = launch(2, run + ["--bf16", "--metrics-file", tmp_path / "bf16.jsonl", "--trace", trace, "--trace-memory"])
     assert bf16.ok, bf16.explain()
