@@ -216,8 +216,7 @@ def fit_vocab_layout(args, cfg, profile, rank, choice=None):
                             validation=validation_model(args, cfg), vocab_size=gptlite_config(args).vocab_size,
                             rows=kept)
         if choice is not None:  # the pick as it runs: in the layout it keeps
-            choice.ranked[0] = replace(fitted.candidate, cut=choice.pick.cut, vocab_parallel=True,
-                                       vocab_layout=fitted)
+            choice.ranked[0] = fitted.candidate_of(choice.pick.cut)
     args.vocab_fitted = fitted.layout
     if rank == 0:
         def peaks(bytes_):

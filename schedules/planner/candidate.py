@@ -38,7 +38,9 @@ class Candidate:
 
 def simulated(profile, spec, v, method, parts, placement, micro_batches, interlock=1, validation="wait"):
     """The Candidate of registry row `spec` (v virtual stages) on the cut `parts` (by `method`) of `profile`'s
-    layers, `placement` an instance for the run's ranks."""
+    layers, `placement` an instance for the run's ranks. DeepSpeed's own engines (no engine of ours in the row)
+    synchronise every step: `interlock` counts only on ours."""
+    interlock = interlock if spec.engine is not None else 1
     figures = compose(profile, placement, parts)
     p2p = profile.p2p
     common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],

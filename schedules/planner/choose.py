@@ -19,7 +19,7 @@ post-validation policy does (`validation`: 'wait' or 'ahead' before the next ste
 speculating past it). That favours the schedules whose bubble only interlocking removes (ZB-H2, ZB-V).
 DeepSpeed's own engines (stock 1F1B, its DualPipeV) still synchronise every step: their synchronised step.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from schedules.errors import ScheduleError
@@ -97,7 +97,7 @@ def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, vali
             for parts, methods in by_parts.items():
                 try:
                     found = simulated(profile, spec, v, '='.join(methods), list(parts), placement, micro_batches,
-                                       interlock if spec.engine is not None else 1, validation)
+                                      interlock, validation)
                     found.vocab_parallel = bool(slices)
                     out.append(found)
                 except (ValueError, ScheduleError) as e:
@@ -120,7 +120,7 @@ def _fit_layouts(profile, stages, micro_batches, found, budget, interlock, valid
                              virtual_stages=c.virtual_stages, interlock=interlock, validation=validation)
         except ValueError:  # the profile does not tell the head's rows: slice_layout's stays
             continue
-        fitted[id(c)] = replace(fit.candidate, cut=c.cut, vocab_parallel=True, vocab_layout=fit)
+        fitted[id(c)] = fit.candidate_of(c.cut)
     return [fitted.get(id(c), c) for c in found]
 
 

@@ -96,10 +96,10 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None, layou
     rows, q = list(rows), list(q)
     if len(rows) != parts or len(q) != parts:
         raise ValueError(f"layout {rows}, {q}: one row count and one recompute share per slice, {parts} of each")
-    measured = _measured_slices(profile, rows, q)
-    if measured is None and getattr(profile, 'slices', None) and _vocab_size(profile):
-        measured = _from_slices(profile, rows, q, cost)
-    if measured is not None:
+    had = _measured_layout(profile) if getattr(profile, 'slices', None) else None
+    if had is not None:  # the slices measured: themselves where laid out as asked, else scaled per row
+        measured = [replace(c, saved={k: list(v) for k, v in c.saved.items()}) for c in profile.slices] \
+            if had == (rows, q) else _from_slices(profile, rows, q, cost)
         return replace(profile, layers=[*profile.layers[:-1], *measured], loss=None, slices=None)
     total = sum(rows)
     recomputed = [round(qk * r) for qk, r in zip(q, rows)]  # as VocabSlice rounds them
@@ -126,15 +126,6 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None, layou
     return replace(profile, layers=[*profile.layers[:-1], *pieces], loss=None, slices=None)
 
 
-def _measured_slices(profile, rows, q):
-    """Copies of the profile's measured slices where they are the head split as asked (as many, the same layout:
-    their rows `rows` and their recompute shares `q`), else None."""
-    slices = getattr(profile, 'slices', None)
-    if not slices or len(slices) != len(rows) or _measured_layout(profile) != (list(rows), list(q)):
-        return None
-    return [replace(c, saved={k: list(v) for k, v in c.saved.items()}) for c in slices]
-
-
 def _measured_layout(profile):
     """(rows, recompute) of the profile's measured slices: laid out by `slice_layout` (planning.slice_builders)
     over the head's rows, its parameters (h V) telling V; None where they do not."""
@@ -148,17 +139,14 @@ def _measured_layout(profile):
 
 
 def _from_slices(profile, rows, q, cost):
-    """The split head laid out as (rows, q), from slices measured in another layout: a slice's seconds are linear
-    in its rows and its recomputed rows (F, W and the optimizer step per row; B and BW per row and per recomputed
-    row, fitted by least squares over the measured slices; where none recomputed, `cost` x a row's F + B + W), its
-    saved bytes its input plus a micro-batch's logits per kept row (every row after B), its recomputed logits held
-    inside B. Its message and input are the measured slice's in its place (the last's for the last slice, the
-    first's for the others). None where the measured slices' layout is not known."""
+    """The split head laid out as (rows, q), from slices measured in another layout (`_measured_layout`, known): a
+    slice's seconds are linear in its rows and its recomputed rows (F, W and the optimizer step per row; B and BW
+    per row and per recomputed row, fitted by least squares over the measured slices; where none recomputed, `cost`
+    x a row's F + B + W), its saved bytes its input plus a micro-batch's logits per kept row (every row after B),
+    its recomputed logits held inside B. Its message and input are the measured slice's in its place (the last's for
+    the last slice, the first's for the others)."""
     import numpy as np
-    layout = _measured_layout(profile)
-    if layout is None:
-        return None
-    slices, (had, shares), head = profile.slices, layout, profile.layers[-1]
+    slices, (had, shares), head = profile.slices, _measured_layout(profile), profile.layers[-1]
     again = [round(s * r) for s, r in zip(shares, had)]
     total = sum(had)
     per = {kind: sum(getattr(c, kind) for c in slices) / total for kind in ('F', 'W', 'optimizer')}
@@ -169,8 +157,6 @@ def _from_slices(profile, rows, q, cost):
             per[kind], per[kind + '+'] = (float(x) for x in fitted)
         else:
             per[kind] = sum(y) / total
-    for kind in ('B', 'BW'):
-        if not any(again):
             per[kind + '+'] = cost * (per['F'] + per['B'] + per['W'])
     kept_had = [r - a for r, a in zip(had, again)]
     logits = sum(c.saved['F'][0] - c.saved['F'][1] for c in slices) / max(sum(kept_had), 1)  # per kept row

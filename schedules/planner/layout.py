@@ -13,7 +13,7 @@ under a millisecond at p = 2), and keeps a move only where it scores better and 
 `slice_layout`'s layout is itself outside them, its own ratio and peak are the bounds: a fitted layout is never
 predicted slower, less even or larger than it.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schedules.planner.candidate import simulated
 from schedules.planner.compose import _vocab_size, cut, split_head
@@ -41,6 +41,10 @@ class Fitted:
     def layout(self):
         return self.rows, self.recompute
 
+    def candidate_of(self, cut):
+        """The chooser's Candidate of this layout, its cut named `cut` (the partition methods that give it)."""
+        return replace(self.candidate, cut=cut, vocab_parallel=True, vocab_layout=self)
+
 
 def fit_slices(profile, schedule, stages, micro_batches, method="uniform", virtual_stages=None, balance=BALANCE,
                budget=None, interlock=1, validation="wait", vocab_size=None, rows=None):
@@ -64,8 +68,8 @@ def fit_slices(profile, schedule, stages, micro_batches, method="uniform", virtu
         if key not in seen:
             split = split_head(profile, stages, layout=(rows, q), vocab_size=vocab)
             parts = cut(split, method, placement.num_stages, slices=stages)
-            found = simulated(split, spec, virtual_stages, method, parts, placement, micro_batches,
-                               interlock if spec.engine is not None else 1, validation)
+            found = simulated(split, spec, virtual_stages, method, parts, placement, micro_batches, interlock,
+                              validation)
             seen[key] = (rows, list(q), found.step, found.peak, found, _ratio(_busy(found)))
         return seen[key]
 
