@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
 from schedules.runtime.vocab_parallel import VocabSlice, refusal, slice_layout, vocab_parallel_loss
-from schedules.runtime.weight_grad import Linear  # nn.Linear whose weight gradients a W pass can defer
+from schedules.runtime.weight_grad import Embedding, Linear  # whose weight gradients a W pass can defer
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class EmbeddingsSum(nn.Module):
 
     def __init__(self, config: GPTliteConfig):
         super().__init__()
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.tok_emb = Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
         nn.init.normal_(self.pos_emb.weight, std=0.02)

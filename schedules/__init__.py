@@ -225,13 +225,13 @@ def _report_deferral(engine, spec, layers, elements, total):
     where = f"[schedules] {spec.name}, stage {engine.stage_id} of {engine.num_stages}"
     if layers == 0:
         print(f"{where}: warning: the schedule defers weight gradients to W passes, but this stage has no "
-              f"torch.nn.Linear to defer, so its W passes do nothing and the split gains nothing "
+              f"torch.nn.Linear (or nn.Embedding) to defer, so its W passes do nothing and the split gains nothing "
               f"(docs/architecture.md: making a layer deferrable)", file=sys.stderr, flush=True)
         return
     in_place = (", added into .grad by their multiply (fp32, one data-parallel rank)"
                 if getattr(engine, "_in_place", False) else "")
-    print(f"{where}: the weight gradients of {layers} linear layers, {elements / total:.0%} of the stage's trainable "
-          f"parameters, are deferrable to W passes{in_place}", file=sys.stderr, flush=True)
+    print(f"{where}: the weight gradients of {layers} linear and embedding layers, {elements / total:.0%} of the "
+          f"stage's trainable parameters, are deferrable to W passes{in_place}", file=sys.stderr, flush=True)
 
 
 # The split vocabulary head (schedules/runtime/vocab_parallel.py), imported on first use: it imports torch.

@@ -3,8 +3,8 @@
 Run by tests/test_split_engine.py through local_launch. Checks, on every rank, after one
 train_batch with SCHEDULE (argv[1]):
 - the executed order of compute passes equals the order in the schedule's instruction stream;
-- after the first B, the linear layers' weights and biases have no gradient yet (deferred) while the
-  other parameters (embedding, LayerNorm) have theirs; after the first W they all do.
+- after the first B, the linear and embedding layers' weights and biases have no gradient yet (deferred) while
+  the other parameters (LayerNorm) have theirs; after the first W they all do.
 Prints one JSON line with what it saw.
 """
 import json
@@ -20,7 +20,7 @@ import schedules
 from schedules.instructions import PASS_KIND, BackwardInputPass, BackwardWeightPass
 from schedules.registry import available_schedules, register_schedule
 from schedules.runtime import engine_class
-from schedules.runtime.weight_grad import Linear
+from schedules.runtime.weight_grad import Embedding, Linear
 
 
 def main(schedule):
@@ -33,7 +33,7 @@ def main(schedule):
             super()._exec_schedule(pipe_schedule)
 
         def _linear_and_other_grads(self):
-            linear = [p for m in self.module.modules() if isinstance(m, Linear) for p in m.parameters()]
+            linear = [p for m in self.module.modules() if isinstance(m, (Linear, Embedding)) for p in m.parameters()]
             ids = {id(p) for p in linear}
             other = [p for p in self.module.parameters() if id(p) not in ids]
             return [p.grad is not None for p in linear], [p.grad is not None for p in other]

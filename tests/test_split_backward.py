@@ -14,10 +14,12 @@ import deep_model
 import gptlite
 from schedules.observe.memory import SavedTensorTracker
 from schedules.runtime.weight_grad import (
+    Embedding,
     Linear,
     accumulate_in_place,
     apply_weight_grads,
     defer_weight_grads,
+    make_deferrable,
     spare_grads,
 )
 
@@ -126,6 +128,54 @@ def test_a_steps_first_gradient_is_written_into_the_last_steps_tensor():
         loss_of(stage, x).backward()
     for p, old, ref in zip(stage.parameters(), kept, reference):
         assert p.grad is old and torch.allclose(p.grad, ref, atol=1e-6)
+
+
+def test_an_embeddings_gradient_deferred_or_added_in_place_equals_nn_embeddings():
+    """The deferrable Embedding over three micro-batches with repeated tokens: fused, B then W, and both added into
+    .grad by index_add_ (the first of a step written into the last step's tensor) give nn.Embedding's gradient."""
+    torch.manual_seed(0)
+    reference = torch.nn.Embedding(50, 8)
+    ours = Embedding(50, 8)
+    ours.load_state_dict(reference.state_dict())
+    ids = [torch.randint(0, 10, (3, 7)) for _ in range(3)]  # 21 tokens over 10 rows: repeats
+    probes = [torch.randn(3, 7, 8) for _ in ids]
+
+    def grad(layer, backward):
+        for x, probe in zip(ids, probes):
+            backward(((layer(x) * probe) ** 2).sum())
+        return layer.weight.grad
+
+    expected = grad(reference, lambda loss: loss.backward())
+
+    def split(loss, in_place=False):
+        with defer_weight_grads() as queue:
+            loss.backward()
+        assert len(queue) == 1  # the lookup's gradient waits for W
+        apply_weight_grads(queue, in_place=in_place)
+
+    def fused_in_place(loss):
+        with accumulate_in_place():
+            loss.backward()
+
+    for backward in (lambda loss: loss.backward(), split, lambda loss: split(loss, True), fused_in_place):
+        ours.weight.grad = None
+        assert torch.allclose(grad(ours, backward), expected, atol=1e-6)
+    kept = ours.weight.grad
+    spare_grads([ours.weight])
+    assert torch.allclose(grad(ours, fused_in_place), expected, atol=1e-6) and ours.weight.grad is kept
+
+
+def test_make_deferrable_takes_plain_embeddings_and_leaves_those_whose_options_change_the_backward():
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4), torch.nn.Embedding(20, 4, padding_idx=0),
+                                torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 4))
+    layers, elements, total = make_deferrable(model)
+    assert (layers, elements, total) == (2, 20 * 4 + 4 * 4 + 4, 3 * 20 * 4 + 4 * 4 + 4)
+    assert "forward" in vars(model[0]) and "forward" not in vars(model[1]) and "forward" not in vars(model[2])
+    x = torch.randint(0, 20, (2, 5))
+    with defer_weight_grads() as queue:
+        model[0](x).sum().backward()
+        model[1](x).sum().backward()
+    assert model[0].weight.grad is None and model[1].weight.grad is not None and len(queue) == 1
 
 
 def matmul_flops(fn):
