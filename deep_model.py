@@ -63,13 +63,13 @@ class _TimedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, seconds):
         time.sleep(seconds[0])
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.seconds = bias, seconds
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.seconds = weight, bias, seconds  # the parameters themselves (weight_grad.py)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x, ), weight = ctx.saved_tensors, ctx.weight
         time.sleep(ctx.seconds[1])
         work = _TimedWeightGrad(ctx.seconds[2], weight, ctx.bias, x, grad_out)
         grads = defer_or_compute(work, x, grad_out)

@@ -4,6 +4,7 @@ B computes input gradients and the gradients of non-linear-layer parameters; W c
 linear layers' weight gradients later; together they equal the fused backward, and each does
 about half of its matrix-multiply FLOPs.
 """
+import contextlib
 import time
 
 import pytest
@@ -77,11 +78,13 @@ def test_b_then_w_equals_fused_backward(make):
         assert torch.allclose(p.grad, fused[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("tracked", [False, True], ids=["", "tracked"])
 @pytest.mark.parametrize("make", [gpt_stage, deep_stage, timed_stage], ids=["gptlite", "deep", "timed"])
-def test_in_place_accumulation_equals_autograds_over_micro_batches(make):
+def test_in_place_accumulation_equals_autograds_over_micro_batches(make, tracked):
     """Three micro-batches: the weight gradients added into .grad by their multiply (fused backward, and B
     then W) equal autograd's accumulation of fresh gradients; the linear layers' .grad tensors are the
-    first micro-batch's, added into, never replaced."""
+    first micro-batch's, added into, never replaced. `tracked`: under a memory tracker's saved-tensor hooks
+    (--trace-memory), whose unpacked tensors are not the parameters: the gradients still reach them."""
     stage = make()
     xs = [(inputs(stage) * (k + 1)).detach().requires_grad_() for k in range(3)]
 
@@ -99,14 +102,18 @@ def test_in_place_accumulation_equals_autograds_over_micro_batches(make):
         with accumulate_in_place():
             loss.backward()
 
-    def split_in_place(loss):
+    def split(loss, in_place):
         with defer_weight_grads() as queue:
             loss.backward()
-        apply_weight_grads(queue, in_place=True)
+        apply_weight_grads(queue, in_place=in_place)
+
+    def split_in_place(loss):
+        split(loss, in_place=True)
 
     reference = grads(lambda loss: loss.backward())
-    for backward in (fused_in_place, split_in_place):
-        got = grads(backward)
+    for backward in (fused_in_place, split_in_place, lambda loss: split(loss, in_place=False)):
+        with SavedTensorTracker(ignore=list(stage.parameters())) if tracked else contextlib.nullcontext():
+            got = grads(backward)
         for name, ref in reference.items():
             assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6), name
         assert not any(p.grad.requires_grad for p in stage.parameters())  # no graph recorded by the sums
@@ -158,8 +165,10 @@ def test_an_embeddings_gradient_deferred_or_added_in_place_equals_nn_embeddings(
             loss.backward()
 
     for backward in (lambda loss: loss.backward(), split, lambda loss: split(loss, True), fused_in_place):
-        ours.weight.grad = None
-        assert torch.allclose(grad(ours, backward), expected, atol=1e-6)
+        for tracked in (False, True):  # under a memory tracker's saved-tensor hooks too (--trace-memory)
+            ours.weight.grad = None
+            with SavedTensorTracker(ignore=[ours.weight]) if tracked else contextlib.nullcontext():
+                assert torch.allclose(grad(ours, backward), expected, atol=1e-6)
     kept = ours.weight.grad
     spare_grads([ours.weight])
     assert torch.allclose(grad(ours, fused_in_place), expected, atol=1e-6) and ours.weight.grad is kept

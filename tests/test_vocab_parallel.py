@@ -65,13 +65,17 @@ def test_split_head_is_the_cross_entropy_of_the_unsplit_head(parts, recompute):
 
 @pytest.mark.parametrize("recompute,rows", [((0.0, 0.0), (19, 18)), ((1.0, 0.0), (12, 25)),
                                            ((0.6, 0.3, 0.0), (9, 11, 17)), ((1.0, 1.0), (30, 7))])
-@pytest.mark.parametrize("backward", ["fused", "deferred", "in place"])
+@pytest.mark.parametrize("backward", ["fused", "deferred", "in place", "in place, tracked"])
 def test_recomputed_and_kept_rows_give_the_same_gradients(recompute, rows, backward):
     """Any layout (uneven rows; all, some or none of a slice's logits recomputed in its backward) is the unsplit
     head's cross-entropy: loss, input and weight gradients, through a fused backward, one split into B and a
-    deferred W, and one adding the weight gradients into .grad (twice: the second accumulates)."""
+    deferred W, and one adding the weight gradients into .grad (twice: the second accumulates); `tracked`: under
+    a memory tracker's saved-tensor hooks (--trace-memory)."""
+    import contextlib
+
     import torch.nn.functional as F
 
+    from schedules.observe.memory import SavedTensorTracker
     from schedules.runtime.vocab_parallel import VocabSlice, vocab_parallel_loss
     from schedules.runtime.weight_grad import accumulate_in_place, apply_weight_grads, defer_weight_grads
     g = torch.Generator().manual_seed(1)
@@ -85,20 +89,23 @@ def test_recomputed_and_kept_rows_give_the_same_gradients(recompute, rows, backw
     slices = [VocabSlice(width, vocab, k, len(rows), weight=head, recompute=q, rows=rows)
               for k, q in enumerate(recompute)]
     assert [s.recomputed for s in slices] == [round(q * n) for q, n in zip(recompute, rows)]
-    for repeat in (1, 2) if backward == "in place" else (1, ):
+    tracked = (SavedTensorTracker(ignore=[s.weight for s in slices]) if "tracked" in backward
+               else contextlib.nullcontext())
+    for repeat in (1, 2) if backward.startswith("in place") else (1, ):
         hidden = x.clone().requires_grad_()
-        state = (hidden, y)
-        for s in slices:
-            state = s(state)
-        loss = vocab_parallel_loss(state)
-        if backward == "deferred":
-            with defer_weight_grads() as queue:
-                loss.backward()
-            assert len(queue) == len(slices) and all(s.weight.grad is None for s in slices)
-            apply_weight_grads(queue)
-        else:
-            with accumulate_in_place(backward == "in place"):
-                loss.backward()
+        with tracked:
+            state = (hidden, y)
+            for s in slices:
+                state = s(state)
+            loss = vocab_parallel_loss(state)
+            if backward == "deferred":
+                with defer_weight_grads() as queue:
+                    loss.backward()
+                assert len(queue) == len(slices) and all(s.weight.grad is None for s in slices)
+                apply_weight_grads(queue)
+            else:
+                with accumulate_in_place(backward.startswith("in place")):
+                    loss.backward()
         assert abs(loss.item() - ref.item()) < 1e-6
         assert (hidden.grad - xr.grad).abs().max() < 1e-6
         merged = torch.cat([s.weight.grad for s in slices])

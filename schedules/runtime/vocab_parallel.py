@@ -170,7 +170,8 @@ class _SliceHead(torch.autograd.Function):
         z = stats[0][3] if len(stats) == 1 else stats[0][3] + stats[1][3]
         top, exp = (stats[0][0], stats[0][1]) if kept else (None, None)
         ctx.kept, ctx.done = kept, False
-        ctx.save_for_backward(hidden, weight, target, lse, top, exp)
+        ctx.weight = weight  # the parameter itself, whose .grad W may set (weight_grad: not through saved tensors)
+        ctx.save_for_backward(hidden, target, lse, top, exp)
         return lse, z
 
     @staticmethod
@@ -179,7 +180,8 @@ class _SliceHead(torch.autograd.Function):
             raise RuntimeError("a VocabSlice's backward ran twice over one forward (retain_graph): its backward turns "
                                "what it kept into the gradient in place")
         ctx.done = True
-        hidden, weight, target, lse, top, exp = ctx.saved_tensors
+        hidden, target, lse, top, exp = ctx.saved_tensors
+        weight = ctx.weight
         kept, blocks, held = ctx.kept, [], []
         if kept:  # exp(logits - top) * exp(top - lse) is the softmax over the slice's rows
             grad = exp.mul_((grad_lse * (top - lse).exp()).unsqueeze(-1))

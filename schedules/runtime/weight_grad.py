@@ -208,19 +208,26 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.bias = bias
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias  # the parameters themselves (see above defer_or_compute)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, = ctx.saved_tensors
+        weight = ctx.weight
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         want_b = ctx.bias is not None and ctx.needs_input_grad[2]
         work = DeferredLinearGrad(weight if ctx.needs_input_grad[1] else None, ctx.bias if want_b else None,
                                   x, grad_out)
         grads = defer_or_compute(work, x, grad_out)
         return grad_x, grads.get(id(weight)), grads.get(id(ctx.bias))
+
+
+# A parameter whose gradient a work adds into `.grad` must be the parameter itself, so a Function keeps it on `ctx`
+# (`ctx.weight = weight`), never through `ctx.save_for_backward`: under saved-tensor hooks (a memory tracker's,
+# schedules/observe/memory.py) what `ctx.saved_tensors` hands back is another tensor of the same storage, and a
+# gradient set on it never reaches the parameter.
 
 
 def defer_or_compute(work, *kept):
