@@ -178,6 +178,20 @@ def summarise(runs):
     return rows
 
 
+LOSS_TOLERANCE = 1e-4  # fp32: a pipeline sums its micro-batches in another order than one process, ~1e-6 apart
+
+
+def loss_line(rows):
+    """Every configuration's last loss against one process's, in one line: a configuration that trains differently
+    (a lost or doubled gradient) ends elsewhere, and says so here instead of in a JSON nobody compares."""
+    ref = rows[ONE_PROCESS]["loss"]
+    off = {name: r["loss"] for name, r in rows.items() if abs(r["loss"] - ref) > LOSS_TOLERANCE}
+    if not off:
+        return f"every configuration ends at one process's loss ({ref:.6f}, within {LOSS_TOLERANCE:g})"
+    return ("warning: " + ", ".join(f"{name} {loss:.6f}" for name, loss in off.items())
+            + f" end at other losses than one process ({ref:.6f}): they train differently")
+
+
 def table(rows, args, machine):
     context = f", context {args.block_size}" if args.block_size else ""
     lines = [machine, f"GPTlite {args.model_size}{context}, {args.stages[0]} ranks, {args.micro_batches[0]} "
@@ -277,7 +291,7 @@ def main(argv=None):
                   f"({time.time() - t0:.0f} s)", flush=True)
     rows = summarise(runs)
     lines = table(rows, args, machine) + [
-        f"two busy processes each computed at {contention['speed_each']:.2f} of one alone",
+        loss_line(rows), f"two busy processes each computed at {contention['speed_each']:.2f} of one alone",
         f"took {time.time() - started:.0f} s"]
     print("\n".join(lines))
     report = {"machine": machine, "args": vars(args), "rows": rows, "runs": runs, "two_busy_ranks": contention}

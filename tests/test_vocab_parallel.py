@@ -372,6 +372,9 @@ def test_benchmark_summary():
     assert rows["1f1b"]["busy_s"] == [0.4, 0.45] and rows["1f1b"]["peak_saved_bytes"] == [10, 12]
     lines = bench.table(rows, bench.parse_args([]), "machine")
     assert lines[3].split()[:3] == ["zb-v", "+vocab", "550"]  # fastest first
+    assert bench.loss_line(rows).startswith("every configuration ends at one process's loss")
+    rows["zb-v"]["loss"] = 9.01  # e.g. a lost weight gradient
+    assert bench.loss_line(rows).startswith("warning: zb-v 9.010000 end at other losses")
 
 
 # --- the planner ---------------------------------------------------------------------------------
