@@ -69,7 +69,8 @@ class _TimedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x, ), weight = ctx.saved_tensors, ctx.weight
+        x, = ctx.saved_tensors
+        weight = ctx.weight
         time.sleep(ctx.seconds[1])
         work = _TimedWeightGrad(ctx.seconds[2], weight, ctx.bias, x, grad_out)
         grads = defer_or_compute(work, x, grad_out)

@@ -107,11 +107,8 @@ def test_in_place_accumulation_equals_autograds_over_micro_batches(make, tracked
             loss.backward()
         apply_weight_grads(queue, in_place=in_place)
 
-    def split_in_place(loss):
-        split(loss, in_place=True)
-
     reference = grads(lambda loss: loss.backward())
-    for backward in (fused_in_place, split_in_place, lambda loss: split(loss, in_place=False)):
+    for backward in (fused_in_place, lambda loss: split(loss, True), lambda loss: split(loss, False)):
         with SavedTensorTracker(ignore=list(stage.parameters())) if tracked else contextlib.nullcontext():
             got = grads(backward)
         for name, ref in reference.items():

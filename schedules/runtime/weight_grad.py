@@ -302,6 +302,8 @@ class _EmbeddingFunction(torch.autograd.Function):
 
 
 def _deferrable_embedding_forward(self, ids):
+    if not _plain_embedding(self):  # an option changes the backward: nn.Embedding's own
+        return nn.Embedding.forward(self, ids)
     return _EmbeddingFunction.apply(ids, self.weight)
 
 
@@ -315,10 +317,7 @@ class Embedding(nn.Embedding):
     """nn.Embedding whose weight gradient can be deferred to a W pass and added into `.grad` at the looked-up rows
     (nn.Embedding's own backward where an option changes it: a padding index, max norm, frequency scaling, sparse)."""
 
-    def forward(self, ids):
-        if not _plain_embedding(self):
-            return super().forward(ids)
-        return _deferrable_embedding_forward(self, ids)
+    forward = _deferrable_embedding_forward
 
 
 def make_deferrable(module):
@@ -334,7 +333,7 @@ def make_deferrable(module):
             stock, deferrable = nn.Embedding.forward, _deferrable_embedding_forward
         else:
             continue
-        if type(m).forward in (stock, deferrable, Embedding.forward):
+        if type(m).forward in (stock, deferrable):
             if type(m).forward is stock and 'forward' not in vars(m):
                 m.forward = deferrable.__get__(m)
             layers += 1
