@@ -132,6 +132,10 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
         raise ValueError(f"unknown pipeline schedule '{schedule}': choose from {', '.join(available_schedules())}")
     spec = schedule_spec(schedule, virtual_stages)
     engine_cls = engine_class(spec)
+    if engine_cls is None and not isinstance(model, PipelineModule) and _lean_applies(config, args, kwargs):
+        built = _lean_engine(args, model, optimizer, model_parameters, config, **kwargs)
+        _remove_shared_memory_buffer()
+        return built
     if engine_cls is None and not (trace and isinstance(model, PipelineModule)):
         built = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                      config=config, **kwargs)
@@ -165,6 +169,36 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     else:
         _warn_first_stage_clipping(engine, spec)
     _remove_shared_memory_buffer()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _lean_applies(config, args, kwargs):
+    """Whether a model that is not pipelined is built as deepspeed.initialize builds it but with
+    schedules.runtime.lean_engine.LeanEngine: a config dict in fp32 at ZeRO 0 or 1, nothing that makes
+    deepspeed.initialize build another engine or another mesh. Elsewhere deepspeed.initialize itself."""
+    if not isinstance(config, dict) or getattr(args, "deepspeed_config", None) or \
+            set(kwargs) - {"training_data", "lr_scheduler", "collate_fn", "mpu", "dist_init_required"}:
+        return False
+    zero = config.get("zero_optimization", {}).get("stage", 0)
+    return (zero in (0, 1) and not any(config.get(k, {}).get("enabled") for k in ("fp16", "bf16", "hybrid_engine"))
+            and not config.get("tensor_parallel", {}).get("autotp_size")
+            and not ("sequence_parallel_size" in config and "data_parallel_size" in config))
+
+
+def _lean_engine(args, model, optimizer, model_parameters, config, **kwargs):
+    """deepspeed.initialize's build of a model that is not pipelined (DeepSpeed 0.19.8), the engine LeanEngine."""
+    from deepspeed import comm as dist
+    from deepspeed import set_optimizer_flags
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from schedules.runtime.lean_engine import LeanEngine
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          dist_init_required=kwargs.get("dist_init_required"))
+    config_class = DeepSpeedConfig(config, kwargs.get("mpu"))
+    set_optimizer_flags(config_class, model)
+    engine = LeanEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, config=config,
+                        config_class=config_class, **kwargs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

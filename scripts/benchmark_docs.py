@@ -892,7 +892,8 @@ INPUTS = {"deep.json": SIDE_BY_SIDE, "gptlite.json": f"{SIDE_BY_SIDE} --model gp
           "python scripts/benchmark_peers.py --docs", "peers-gptlite.json": None,
           "interlock.json": "python scripts/benchmark_interlock.py --docs", **dict.fromkeys(INTERLOCK_RUNS),
           "simulator.json": "python scripts/benchmark_simulator.py --docs",
-          "resume.json": "python scripts/benchmark_resume.py --docs"}
+          "resume.json": "python scripts/benchmark_resume.py --docs",
+          "one-process.json": "python scripts/benchmark_one_process.py --docs"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1078,6 +1079,34 @@ def resume_section(doc):
 
 
 # --------------------------------------------------------------------------------------------
+# One process, no pipeline (benchmark_one_process.py)
+# --------------------------------------------------------------------------------------------
+def one_process_section(doc):
+    """Each model's four configurations: median step and speed-up over the shipped config on DeepSpeed's engine."""
+    a, out = doc["args"], []
+    for m in doc["models"]:
+        spec, rows = m["model"], m["rows"]
+        ref = rows["DeepSpeed's engine, ZeRO 1"]["step_s"]
+        context = f", context {spec['block_size']}" if spec["block_size"] else ""
+        losses = [r["loss"] for r in rows.values()]
+        out += [para(f"""GPTlite {spec['size']}{context}, {a['micro_batches']} micro-batches of
+            {spec['micro_batch_size']} (every configuration's last loss within {max(losses) - min(losses):.0e} of the
+            others):"""),
+                table(["engine, ZeRO stage", "median step (ms)", "vs the shipped config on DeepSpeed's engine"],
+                      [[name, f"{r['step_s'] * 1e3:.0f}", f"{ref / r['step_s']:.2f}x"] for name, r in rows.items()])]
+    flags = [("--models", a["models"]), ("--steps", a["steps"]), ("--rounds", a["rounds"])]
+    return blocks(["## One process, no pipeline", code(command("benchmark_one_process.py", flags) + " --docs"),
+                   para(f"""
+        On {doc['machine']}: what `train.py --pipeline-parallel-size 0` runs, one thread, the shipped
+        `ds_config.json` at ZeRO 1 and at 0, on DeepSpeed's own engine and on ours (`LeanEngine`,
+        schedules/runtime/lean_engine.py, which `schedules.initialize` builds for a model that is not pipelined),
+        in {a['rounds']} rotating rounds of {a['steps']} steps, the first {a['warmup']} of each left out; every engine
+        built afresh from the same weights and trained on the same micro-batches
+        ([choosing.md](choosing.md#the-shipped-configuration)).""")] + out
+        + [para("Raw numbers: [`bench/one-process.json`](bench/one-process.json).")])
+
+
+# --------------------------------------------------------------------------------------------
 # The simulator's own speed (benchmark_simulator.py)
 # --------------------------------------------------------------------------------------------
 def simulator_section(doc):
@@ -1162,7 +1191,8 @@ def render(bench_dir=BENCH_DIR) -> str:
              section(docs, "chooser.json", "## Choosing a schedule", chooser_section),
              section(docs, "interlock.json", "## Interlocked steps", interlock_section)]
     parts += [interlock_section(docs[file], interlock_title(file), file) for file in INTERLOCK_RUNS if file in docs]
-    parts += [section(docs, "resume.json", "## Resuming under another layout", resume_section),
+    parts += [section(docs, "one-process.json", "## One process, no pipeline", one_process_section),
+              section(docs, "resume.json", "## Resuming under another layout", resume_section),
               section(docs, "simulator.json", "## The simulator's speed", simulator_section), blocks(GPU)]
     return "\n".join(part for part in parts if part is not None)
 

@@ -6,6 +6,7 @@
                        mirror placements), local hand-over, one communicator per message kind
     weight_grad.py     the Linear whose weight gradients a W pass computes later
     lean_step.py       the step end that synchronises no stages (ZeRO 0): local ReduceGrads, early loss
+    lean_engine.py     LeanEngine: DeepSpeed's engine for a model that is not pipelined, with that step end
     interlock.py       train_batches: steps back to back, the optimizer step post-validated
     validation_policy.py  when a post-validated step goes ahead of the model's norm, and past it
     step_targets.py    what a post-validated step does to each optimizer (torch's, DeepSpeed's BF16 and ZeRO-1)

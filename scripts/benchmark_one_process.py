@@ -1,0 +1,146 @@
+"""One process, no pipeline: DeepSpeed's own engine against ours (LeanEngine), side by side.
+
+    python scripts/benchmark_one_process.py                       # GPTlite small and GPT-2 small's shape
+    python scripts/benchmark_one_process.py --models small:4 --rounds 3 --docs
+
+What `train.py --pipeline-parallel-size 0` runs (forward / engine.backward / engine.step over the micro-batches),
+one thread, the shipped ds_config.json at its ZeRO stage 1 and at 0, each on DeepSpeed's engine (deepspeed.initialize)
+and on LeanEngine (schedules.initialize; schedules/runtime/lean_engine.py). Each model's configurations run in
+rounds, rotated, every engine built afresh from the same seeded weights and trained on the same micro-batches; a
+configuration's figure is the median step over its rounds, its first --warmup steps left out. Prints each one's
+median against the shipped config on DeepSpeed's engine, and checks that every configuration ends at the same loss.
+
+A model is SIZE:MICRO_BATCH_SIZE[:CONTEXT] (GPTlite's size, sequences per micro-batch, its context length).
+"""
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
+
+CONFIGS = [("DeepSpeed's engine", 1), ("ours", 1), ("DeepSpeed's engine", 0), ("ours", 0)]  # (engine, ZeRO stage)
+SHIPPED = CONFIGS[0]  # the reference: the shipped config as DeepSpeed's own engine runs it
+LOSS_TOLERANCE = 1e-4  # in-place accumulation sums in another order: ~1e-6 apart
+
+
+def parse_args(argv=None):
+    p = common.parser(__doc__)
+    p.add_argument("--models", nargs="+", default=["small:4", "gpt2:1:64"],
+                   help="SIZE:MICRO_BATCH_SIZE[:CONTEXT] each (GPTlite)")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=6, help="steps per configuration and round")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each left out")
+    p.add_argument("--rounds", type=int, default=2)
+    common.add(p, "out", "docs", out="runs/one-process", docs="one-process")
+    return p.parse_args(argv)
+
+
+def model_spec(text):
+    size, mbs, *context = text.split(":")
+    return {"size": size, "micro_batch_size": int(mbs), "block_size": int(context[0]) if context else None}
+
+
+def config(zero, spec, micro_batches):
+    import json
+    with open(os.path.join(common.ROOT, "ds_config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(train_micro_batch_size_per_gpu=spec["micro_batch_size"], gradient_accumulation_steps=micro_batches,
+               zero_optimization={"stage": zero}, steps_per_print=10**9)
+    return cfg
+
+
+def run(engine_name, zero, spec, args):
+    """(each step's seconds, the last step's loss) of one configuration, built afresh."""
+    import deepspeed
+    import torch
+
+    import gptlite
+    import schedules
+    overrides = {"block_size": spec["block_size"]} if spec["block_size"] else {}
+    model = gptlite.get_model(model_size=spec["size"], seed=0, **overrides)
+    cfg = config(zero, spec, args.micro_batches)
+    init = deepspeed.initialize if engine_name == SHIPPED[0] else schedules.initialize
+    engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=cfg)
+    vocab, context = model.config.vocab_size, model.config.block_size
+    g = torch.Generator().manual_seed(0)
+    times, loss = [], None
+    for _ in range(args.steps):
+        batches = [(torch.randint(0, vocab, (spec["micro_batch_size"], context), generator=g),
+                    torch.randint(0, vocab, (spec["micro_batch_size"], context), generator=g))
+                   for _ in range(args.micro_batches)]
+        t0 = time.perf_counter()
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, vocab), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    kind = type(engine).__name__
+    del engine, model
+    return times, loss.item(), kind
+
+
+def measure(spec, args):
+    """{configuration name: {'step_s', 'steps_s', 'loss', 'engine'}} of one model, over rotated rounds."""
+    import gc
+    seen = {c: [] for c in CONFIGS}
+    last = {}
+    for r in range(args.rounds):
+        for engine_name, zero in common.rotated(CONFIGS, r):
+            times, loss, kind = run(engine_name, zero, spec, args)
+            seen[(engine_name, zero)] += times[args.warmup:]
+            last[(engine_name, zero)] = (loss, kind)
+            gc.collect()
+            print(f"  round {r + 1}: {engine_name}, ZeRO {zero}: "
+                  f"{statistics.median(times[args.warmup:]) * 1e3:.0f} ms ({kind})", flush=True)
+    return {f"{e}, ZeRO {z}": {"engine": last[(e, z)][1], "zero": z, "step_s": statistics.median(seen[(e, z)]),
+                               "steps_s": seen[(e, z)], "loss": last[(e, z)][0]} for e, z in CONFIGS}
+
+
+def lines_of(record):
+    out = [record["machine"], "one process, one thread, the shipped ds_config.json at ZeRO 1 and 0; median step (ms), "
+           "its speed-up over the shipped config on DeepSpeed's engine"]
+    for m in record["models"]:
+        spec, rows = m["model"], m["rows"]
+        ref = rows[f"{SHIPPED[0]}, ZeRO {SHIPPED[1]}"]
+        context = f", context {spec['block_size']}" if spec["block_size"] else ""
+        out.append(f"GPTlite {spec['size']}{context}, {record['args']['micro_batches']} micro-batches of "
+                   f"{spec['micro_batch_size']}:")
+        for name, r in rows.items():
+            out.append(f"  {name:28} {r['step_s'] * 1e3:8.0f} ms  {ref['step_s'] / r['step_s']:5.2f}x  "
+                       f"loss {r['loss']:.6f}  ({r['engine']})")
+        losses = [r["loss"] for r in rows.values()]
+        spread = max(losses) - min(losses)
+        out.append(f"  every configuration ends at the same loss (within {spread:.1e})" if spread <= LOSS_TOLERANCE
+                   else f"  warning: the last losses differ by {spread:.1e}: the configurations train differently")
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    import torch
+    torch.set_num_threads(1)
+    started = time.time()
+    record = {"machine": common.machine("benchmark_one_process.py", argparse_namespace(device="cpu")),
+              "args": vars(args), "models": []}
+    for text in args.models:
+        spec = model_spec(text)
+        print(f"GPTlite {text}:", flush=True)
+        record["models"].append({"model": spec, "rows": measure(spec, args)})
+    record["took_s"] = time.time() - started
+    lines = lines_of(record) + [f"took {record['took_s']:.0f} s"]
+    print("\n".join(lines))
+    common.save(args, "one-process", record, lines)
+
+
+def argparse_namespace(**values):
+    import argparse
+    return argparse.Namespace(**values)
+
+
+if __name__ == "__main__":
+    main()
