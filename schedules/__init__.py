@@ -116,7 +116,9 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize does.
     A schedule registered without an engine class (DeepSpeed's own 1F1B) goes through
     deepspeed.initialize itself; the others are built the way deepspeed.initialize builds a
-    PipelineEngine, with the registered engine class and the schedule class passed to it.
+    PipelineEngine, with the registered engine class and the schedule class passed to it. A model
+    that is not a PipelineModule (no pipeline), in fp32 at ZeRO 0 or 1, gets LeanEngine
+    (schedules/runtime/lean_engine.py): DeepSpeed's engine with our engines' lean step end.
     `virtual_stages` picks the chunks per rank of `interleaved` (the model must be built with the
     matching module: gptlite.get_model(..., pipe_module=schedules.pipe_module(schedule, virtual_stages))).
     `trace=True` builds the engine class wrapped by schedules.observe.trace.traced; set `engine.tracer`.
