@@ -12,6 +12,7 @@ median against the shipped config on DeepSpeed's engine, and checks that every c
 
 A model is SIZE:MICRO_BATCH_SIZE[:CONTEXT] (GPTlite's size, sequences per micro-batch, its context length).
 """
+import argparse
 import os
 import statistics
 import sys
@@ -125,7 +126,7 @@ def main(argv=None):
     import torch
     torch.set_num_threads(1)
     started = time.time()
-    record = {"machine": common.machine("benchmark_one_process.py", argparse_namespace(device="cpu")),
+    record = {"machine": common.machine("benchmark_one_process.py", argparse.Namespace(device="cpu")),
               "args": vars(args), "models": []}
     for text in args.models:
         spec = model_spec(text)
@@ -135,11 +136,6 @@ def main(argv=None):
     lines = lines_of(record) + [f"took {record['took_s']:.0f} s"]
     print("\n".join(lines))
     common.save(args, "one-process", record, lines)
-
-
-def argparse_namespace(**values):
-    import argparse
-    return argparse.Namespace(**values)
 
 
 if __name__ == "__main__":
