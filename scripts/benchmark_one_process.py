@@ -13,6 +13,7 @@ median against the shipped config on DeepSpeed's engine, and checks that every c
 A model is SIZE:MICRO_BATCH_SIZE[:CONTEXT] (GPTlite's size, sequences per micro-batch, its context length).
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -44,7 +45,6 @@ def model_spec(text):
 
 
 def config(zero, spec, micro_batches):
-    import json
     with open(os.path.join(common.ROOT, "ds_config.json")) as f:
         cfg = json.load(f)
     cfg.update(train_micro_batch_size_per_gpu=spec["micro_batch_size"], gradient_accumulation_steps=micro_batches,
@@ -53,7 +53,7 @@ def config(zero, spec, micro_batches):
 
 
 def run(engine_name, zero, spec, args):
-    """(each step's seconds, the last step's loss) of one configuration, built afresh."""
+    """(each step's seconds, the last step's loss, the engine's class name) of one configuration, built afresh."""
     import deepspeed
     import torch
 

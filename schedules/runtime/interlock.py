@@ -54,6 +54,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
+from schedules.runtime.lean_step import step_lr_scheduler
 from schedules.runtime.step_targets import step_target
 from schedules.runtime.validation_policy import POLICIES, AheadPolicy, SpeculationVote  # noqa: F401 (re-exported)
 
@@ -376,11 +377,8 @@ class Interlock:
         self.validations += 1
         if pending.grads is None or redo:  # (speculated past and kept: the gradients are the next step's)
             target.clear()
-        if finite and self.lr_scheduler is not None:
-            try:
-                self.lr_scheduler.step(**(pending.lr_kwargs or {}))
-            except TypeError:  # as DeepSpeed's own step does for pipelines
-                self.lr_scheduler.step(self.train_batch_size())
+        if finite:
+            step_lr_scheduler(self, pending.lr_kwargs)
         if traced:
             tracer.record_other('ValidateStep', t0, tracer.now())
         return redo

@@ -34,6 +34,7 @@ from schedules.runtime.lean_step import (
     needs_no_reduction,
     release_zero1_hooks,
     share_master_weights,
+    step_lr_scheduler,
     zero1_gradients,
     zero1_one_replica,
     zero_missing_grads,
@@ -53,7 +54,7 @@ class LeanEngine(DeepSpeedEngine):
             release_zero1_hooks(self.optimizer)
             share_master_weights(self.optimizer)
             self._zero1_step = ZeroStep(self)
-        self._no_reduction = self._zero1_step is None and needs_no_reduction(self)
+        self._no_reduction = needs_no_reduction(self)  # (ZeRO 0 only)
         self._in_place = accumulates_in_place(self)  # (ZeRO 1: its hooks released above)
         if self._in_place:
             make_deferrable(self.module)
@@ -97,11 +98,8 @@ class LeanEngine(DeepSpeedEngine):
         target.clear()
         if not self._step_applied:
             self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
-            try:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            except TypeError:  # as DeepSpeed's own step does
-                self.lr_scheduler.step(self.train_batch_size())
+        else:
+            step_lr_scheduler(self, lr_kwargs)
         if self.steps_per_print() is not None and self.global_rank == 0 and \
                 (self.global_steps + 1) % self.steps_per_print() == 0:
             self._report_progress(self.global_steps + 1)

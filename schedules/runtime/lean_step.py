@@ -141,6 +141,17 @@ def accumulates_in_place(engine):
                         for p in engine.module.parameters()))
 
 
+def step_lr_scheduler(engine, lr_kwargs):
+    """The learning-rate schedule's step after an optimizer step that was taken, as DeepSpeed's _take_model_step
+    does it (a schedule that takes no keywords steps by the batch size, as it does for pipelines)."""
+    if engine.lr_scheduler is None:
+        return
+    try:
+        engine.lr_scheduler.step(**(lr_kwargs or {}))
+    except TypeError:
+        engine.lr_scheduler.step(engine.train_batch_size())
+
+
 def zero_missing_grads(module):
     """What DeepSpeed's reduction does before reducing: a zero gradient for each trainable parameter that has none."""
     for p in module.parameters():
