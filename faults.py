@@ -10,6 +10,7 @@ waiting on a peer that is gone.
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -32,13 +33,18 @@ class Peers:
     The first failure is the cause: a rank posts its reason before it exits, so before its peers see
     the connection close. A watcher thread beats, ends this rank as soon as another rank failed
     (whatever collective or store wait it is in), and on rank 0 ends the run when a rank has been
-    silent for --dist-timeout seconds (killed, stopped, or stuck where no timeout applies)."""
+    silent for --dist-timeout seconds (killed, stopped, or stuck where no timeout applies).
+
+    Across nodes, a rank can lose rank 0 itself (its node died, or this node's link was cut): the store is
+    then first probed with a plain socket, so that no store client retries against it (each retry is a
+    screenful of c10d warnings), and the rank ends with its own line, naming what it lost."""
     PREFIX, PERIOD, SILENT_S = "train.py/", 1.0, 3.0
 
     def __init__(self, rank, world, timeout_s):
         from torch.distributed import TCPStore
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._address = (host, port)
         self._stores = threading.local()  # a client per thread: the main thread's and the watcher's
         self._connect = lambda: TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
         self._ending, self._stop = threading.Lock(), threading.Event()
@@ -64,6 +70,8 @@ class Peers:
     def fail(self, status, reason, cause_unknown=False):
         """Post this rank's failure, then end the rank (rank 0 first prints the run's first failure).
         `cause_unknown`: the failure may be a peer's fault (a closed connection, a timeout)."""
+        if self.rank != 0 and not self.reachable():
+            self._lost(status, f"this rank saw {reason}")
         try:
             n = self.store.add(f"{self.PREFIX}failures", 1)
             self.store.set(f"{self.PREFIX}failure/{n}", json.dumps([self.rank, status, reason]))
@@ -73,7 +81,8 @@ class Peers:
         if first[0] == self.rank == 0 and cause_unknown:  # e.g. "connection closed by peer": whose fault?
             silent = self._silent(wait_s=self.SILENT_S + 1)
             if silent:
-                first[2] = f"rank {silent} stopped responding (killed, crashed or stopped); rank 0 saw {reason}"
+                first[2] = (f"rank {silent} stopped responding (killed, crashed, stopped or cut off); "
+                            f"rank 0 saw {reason}")
         self._end(*first, own_reason=reason)
 
     def _end(self, rank, status, reason, own_reason=None):
@@ -87,6 +96,24 @@ class Peers:
                     self.store.add(f"{self.PREFIX}read", 1)
                 except Exception:
                     pass
+            sys.stdout.flush()
+            os._exit(status)
+
+    def reachable(self, timeout_s=2.0):
+        """Whether rank 0's store still accepts connections (a plain socket: no c10d retries, no warnings)."""
+        try:
+            with socket.create_connection(self._address, timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
+    def _lost(self, status, what):
+        """This rank cannot reach rank 0 (its node died, or this node was cut off): say so here, since no
+        one else can, and end."""
+        with self._ending:
+            host, port = self._address
+            print(f"error: rank {self.rank} lost rank 0: its store at {host}:{port} cannot be reached (rank 0's "
+                  f"node died, or this node's link is down); {what}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(status)
 
@@ -137,11 +164,14 @@ class Peers:
                     stalled = self._silent(silent_s=self.timeout_s)
                     if stalled:
                         self.fail(1, f"rank {stalled} stopped responding for --dist-timeout {self.timeout_s} s "
-                                     "(killed, stopped, or stuck), so the run ends")
+                                     "(killed, stopped, cut off, or stuck), so the run ends")
                 reachable = time.monotonic()
             except Exception:
-                if time.monotonic() - reachable > max(10.0, self.timeout_s):  # rank 0, the store's host, is gone
-                    os._exit(1)
+                # rank 0, the store's host, may be gone: wait for it with a plain socket, not the store client
+                while not self.reachable() and not self._stop.is_set():
+                    if time.monotonic() - reachable > self.timeout_s:
+                        self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
+                    self._stop.wait(self.PERIOD)
 
 
 def one_line(e):

@@ -1,0 +1,196 @@
+"""Emulated nodes (emulated_nodes.py) and the multi-node runs of scripts/cluster.py.
+
+- a set link rate is what gloo sees (within 10%);
+- train.py across two nodes, through DeepSpeed's launcher in --no_ssh mode and through torchrun, trains
+  as on one node;
+- a node cut off or killed mid-run ends every surviving node in one line within --dist-timeout plus a
+  margin, the last checkpoint intact, and that checkpoint resumes on one node under another layout exactly;
+- every exit path (success, failure, Ctrl-C, SIGTERM, a killed child, the tool itself killed) leaves no
+  namespace behind.
+Skipped, with the reason, where network namespaces cannot be made (not root).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import emulated_nodes
+from emulated_nodes import EmulatedNodes, can_make_namespaces, ours, sweep
+from local_launch import ROOT, launch
+from training import TINY
+
+WHY_NOT = can_make_namespaces()
+needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated nodes here: {WHY_NOT}")
+TIMEOUT_S = 10  # --dist-timeout of the fault runs
+SLACK_S = 20  # the cut-off rank's own timeout fires at --dist-timeout; then its report, the launcher, a busy machine
+STEPS = 8
+FLAGS = [*TINY, "--seed", "3", "--micro-batch-size", "2", "--gradient-accumulation-steps", "4", "--log-interval", "1",
+         "--steps", str(STEPS)]
+TWO_STAGES = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v"]
+
+
+def cluster(args, timeout=240):
+    """scripts/cluster.py run to its end: (exit status, output lines)."""
+    r = subprocess.run([sys.executable, "scripts/cluster.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    return r.returncode, (r.stdout + r.stderr).splitlines()
+
+
+def losses(path):
+    return {e["step"]: e["loss"] for e in map(json.loads, path.read_text().splitlines()) if "loss" in e}
+
+
+def node_lines(lines, k):
+    return [line[len(f"[node{k}] "):] for line in lines if line.startswith(f"[node{k}] ")]
+
+
+def namespaces_of(pid):
+    return ours().get(pid, [])
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The reference: the same training on one node (loopback), uninterrupted."""
+    metrics = tmp_path_factory.mktemp("one-node") / "metrics.jsonl"
+    run = launch(2, [*FLAGS, *TWO_STAGES, "--metrics-file", metrics])
+    assert run.ok, run.explain()
+    return losses(metrics)
+
+
+def test_without_the_rights_the_tool_says_so_in_one_line(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import cluster as tool
+    monkeypatch.setattr(emulated_nodes.os, "geteuid", lambda: 1000)
+    assert tool.main(["--nodes", "2", "--", "true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: emulated nodes need root"), err
+    assert tool.parse_fault("kill:1@step3") == ("kill", 1, None, 3)
+    assert tool.parse_fault("cut:0@2.5") == ("cut", 0, 2.5, None)
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--fault", "cut:one@3", "--", "true"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fault" in err[0] and "cut:NODE@SECONDS" in err[0], err
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+def test_a_set_link_rate_is_what_gloo_sees():
+    with EmulatedNodes(2, rate="200mbit") as nodes:
+        made = namespaces_of(os.getpid())
+        assert len(made) == 3
+        tcp = nodes.measure()
+        env = [{**os.environ, **nodes.environment(k), "RANK": str(k), "WORLD_SIZE": "2", "MASTER_ADDR": nodes.addr(0),
+                "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"} for k in range(2)]
+        ranks = [subprocess.Popen(nodes.command(k, [sys.executable, "tests/gloo_rate_probe.py"]), cwd=ROOT, env=env[k],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+        out = [r.communicate(timeout=120) for r in ranks]
+        assert all(r.returncode == 0 for r in ranks), out
+        gloo = float(out[0][0])
+    assert abs(gloo / 200e6 - 1) < 0.10, f"gloo got {gloo / 1e6:.1f} Mbit/s of 200"
+    assert abs(tcp / 200e6 - 1) < 0.10, f"a TCP transfer got {tcp / 1e6:.1f} Mbit/s of 200"
+    assert not namespaces_of(os.getpid())
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_two_nodes_train_as_one(launcher, one_node, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    steps = STEPS if launcher == "deepspeed" else 3
+    status, lines = cluster(["--nodes", 2, "--link", "1gbit", "--launcher", launcher, "--timeout", 200, "--",
+                             "train.py", *FLAGS, *TWO_STAGES, "--steps", steps, "--metrics-file", metrics])
+    assert status == 0, "\n".join(lines[-30:])
+    rate = r"link 1 Gbit/s \(burst \d+ B\), a transfer gets (9\d\d Mbit/s|1\.\d+ Gbit/s)"
+    assert re.search(rate, lines[0]), lines[0]
+    two = losses(metrics)
+    assert sorted(two) == list(range(1, steps + 1))
+    for step, loss in two.items():
+        assert loss == pytest.approx(one_node[step], rel=1e-6, abs=0), (step, loss, one_node[step])
+    assert not any("Traceback" in line for line in lines)
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault, survivors, layout, ranks", [
+    ("cut:1@step3", (0, 1), ["--pipeline-parallel-size", "2", "--pipeline-schedule", "1f1b"], 2),
+    ("kill:0@step3", (1,), ["--pipeline-parallel-size", "0"], 1),
+], ids=["cut", "kill"])
+def test_a_lost_node_ends_every_node_in_one_line_and_the_run_resumes_exactly(fault, survivors, layout, ranks,
+                                                                             one_node, tmp_path):
+    save = tmp_path / "ckpt"
+    status, lines = cluster(["--nodes", 2, "--fault", fault, "--timeout", 200, "--", "train.py", *FLAGS, *TWO_STAGES,
+                             "--steps", 1000, "--dist-timeout", TIMEOUT_S, "--save-dir", save, "--save-interval", 2])
+    assert status != 0, "\n".join(lines[-30:])
+    faulted = float(re.search(r"\[cluster\] fault at ([\d.]+) s", "\n".join(lines)).group(1))
+    ended = float(re.search(r"\[cluster\] ended after ([\d.]+) s", "\n".join(lines)).group(1))
+    assert ended - faulted < TIMEOUT_S + SLACK_S, "\n".join(lines[-30:])
+    assert "still running" not in "\n".join(lines)  # every node ended by itself, none was killed by the tool
+    for k in survivors:
+        errors = [line for line in node_lines(lines, k) if line.startswith("error:")]
+        assert len(errors) == 1, (k, errors)
+        if fault.startswith("kill") or k == 1:  # the rank that lost rank 0 says so
+            assert errors[0].startswith("error: rank 1 lost rank 0: its store at 10.77.0.1:"), errors
+        else:  # rank 0 names the rank it lost
+            assert errors[0].startswith("error: rank 1 stopped responding"), errors
+    assert not any("Traceback" in line for line in lines)
+    reconnects = sum(int(m.group(1)) for m in re.finditer(r"\((\d+) lines of torch's C\+\+", "\n".join(lines)))
+    assert reconnects < 10  # no c10d reconnect flood: a rank that lost rank 0 probes with a plain socket
+
+    # the last checkpoint is intact: it resumes on one node, under another layout, and trains on exactly
+    saved = int((save / "latest").read_text().strip().removeprefix("global_step"))
+    assert saved >= 2
+    metrics = tmp_path / "resumed.jsonl"
+    run = launch(ranks, [*FLAGS, *layout, "--save-dir", save, "--resume", "--metrics-file", metrics])
+    assert run.ok, run.explain()
+    resumed = losses(metrics)
+    assert sorted(resumed) == list(range(saved + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(one_node[step], rel=1e-5), (step, loss, one_node[step])
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("path", ["success", "failure", "SIGINT", "SIGTERM", "killed-child", "tool-killed"])
+def test_every_exit_path_removes_what_the_tool_made(path):
+    command = {"success": ["sh", "-c", "echo node $NODE_RANK of $NNODES"], "failure": ["sh", "-c", "exit 3"]}.get(
+        path, ["sleep", "120"])
+    tool = subprocess.Popen([sys.executable, "scripts/cluster.py", "--nodes", "2", "--no-measure", "--grace", "1",
+                             "--", *command], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if path in ("success", "failure"):
+        out, _ = tool.communicate(timeout=60)
+        assert tool.returncode == (0 if path == "success" else 3), out
+        if path == "success":
+            assert "[node0] node 0 of 2" in out and "[node1] node 1 of 2" in out, out
+    else:
+        deadline = time.monotonic() + 60
+        while not (len(namespaces_of(tool.pid)) == 3 and all(
+                emulated_nodes._ip("netns", "pids", name).stdout.split() for name in namespaces_of(tool.pid)
+                if name.endswith(("-n0", "-n1")))):
+            assert time.monotonic() < deadline and tool.poll() is None, "the nodes never started"
+            time.sleep(0.1)
+        made = namespaces_of(tool.pid)
+        if path == "killed-child":
+            node0 = [n for n in made if n.endswith("-n0")][0]
+            for pid in emulated_nodes._ip("netns", "pids", node0).stdout.split():
+                os.kill(int(pid), signal.SIGKILL)
+            expected = 128 + signal.SIGKILL
+        elif path == "tool-killed":
+            tool.kill()  # nothing can clean up after SIGKILL: the next run of the tool (or --clean) does
+            expected = -signal.SIGKILL
+        else:
+            tool.send_signal(getattr(signal, path))
+            expected = 128 + getattr(signal, path)
+        tool.communicate(timeout=60)
+        assert tool.returncode == expected
+        if path == "tool-killed":
+            assert namespaces_of(tool.pid) == made
+            assert set(made) <= set(sweep())  # a dead process's namespaces, and the processes in them, removed
+    assert not namespaces_of(tool.pid)
+    hosts = os.listdir(emulated_nodes.HOSTS_DIR) if os.path.isdir(emulated_nodes.HOSTS_DIR) else []
+    assert not [name for name in hosts if name.startswith(f"{emulated_nodes.PREFIX}{tool.pid}-")]
