@@ -1,0 +1,278 @@
+"""What a slow link between nodes costs each schedule: two emulated nodes (emulated_nodes.py), one rank each,
+joined unthrottled and at 1 Gbit/s, 200 Mbit/s and 50 Mbit/s; every schedule on the deep model and on GPTlite
+small (the head whole, and zb-v with the head split), the median step and its slowdown over the unthrottled
+link, beside `--pipeline-schedule auto`'s prediction and which schedule auto picks at each speed.
+
+    python scripts/benchmark_nodes.py [--docs]      # about 30 minutes on 2 cores; needs root (namespaces)
+
+Per link speed and model: ONE launch of benchmark_schedules.py's workers across the two nodes builds an engine
+per schedule and runs them in rotating rounds (so drift hits all alike: the ratios are side by side), and
+gives the simulator's figure from the costs that launch measured; then `train.py --pipeline-schedule auto`
+across the same nodes profiles the layers and the link, prints its predicted step for every candidate, trains
+with its pick and says what the pick ran; GPTlite's split head (zb-v --vocab-parallel) is one train.py run.
+The speeds are visited in an order rotating each round. Writes runs/nodes/nodes.json and .txt; with --docs
+docs/bench/nodes.json and the table in docs/nodes.md.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
+import bench_common as common  # noqa: E402
+
+RATES = ["off", "1gbit", "200mbit", "50mbit"]
+MODELS = {  # as the issue that asked for this measured them (deep) and as docs/vocab-parallel.md does (GPTlite)
+    "deep": {"flags": ["--model", "deep", "--deep-width", "1024", "--deep-depth", "16"], "micro_batch_size": 32,
+             "micro_batches": 8},
+    "gptlite": {"flags": ["--model", "gptlite", "--model-size", "small"], "micro_batch_size": 4, "micro_batches": 4},
+}
+PORT = 29400
+
+
+def parse_args(argv=None):
+    p = common.parser(__doc__)
+    p.add_argument("--rates", nargs="+", default=RATES, help="link speeds (off: unthrottled)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--schedules", nargs="+", default=None, help="default: every trainable schedule")
+    p.add_argument("--rounds", type=int, default=1, help="visits of every speed (each launch rotates schedules too)")
+    p.add_argument("--worker-rounds", type=int, default=2, help="rounds of each schedule launch")
+    p.add_argument("--steps", type=int, default=10, help="steps of each train.py run (auto, the split head)")
+    p.add_argument("--no-auto", action="store_true", help="skip the auto runs")
+    common.add(p, "out", "docs", "timeout", out="runs/nodes", docs="nodes", timeout=1200)
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing
+    return p.parse_args(argv)
+
+
+def launch_across(nodes, argv, timeout, threads=1):
+    """`python ARGV` as one rank on each node (RANK = node, the process group's store on node 0): every rank's
+    (exit status, stdout, stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
+    global PORT
+    PORT += 1  # a fresh port each launch: the last one's sockets may linger in TIME_WAIT
+    logs, procs = [], []
+    for k in range(nodes.nodes):
+        env = {**os.environ, **nodes.environment(k), "RANK": str(k), "LOCAL_RANK": "0", "WORLD_SIZE": str(nodes.nodes),
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": nodes.addr(0), "MASTER_PORT": str(PORT),
+               "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        logs.append((out, err))
+        procs.append(subprocess.Popen(nodes.command(k, [sys.executable, *argv]), cwd=common.ROOT, env=env,
+                                      stdout=out, stderr=err))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for proc, (out, err) in zip(procs, logs):
+        out.seek(0)
+        err.seek(0)
+        results.append((proc.returncode, out.read(), err.read()))
+    if any(code != 0 for code, _, _ in results):
+        raise SystemExit(f"{' '.join(argv[:2])} across the nodes failed:\n" + "\n".join(
+            f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+    return results
+
+
+def schedule_launch(nodes, args, model, names, weights):
+    """benchmark_schedules.py's throughput workers across the nodes: its analysed rows, by schedule."""
+    import benchmark_schedules as bs
+    spec = MODELS[model]
+    wargs = bs.parse_args([*spec["flags"], "--micro-batch-size", str(spec["micro_batch_size"]), "--rounds",
+                           str(args.worker_rounds), "--steps-per-round", "2", "--stages", "2"])
+    wargs.partition_weights = weights
+    wargs.out = os.path.join(args.out, "plots", f"{model}-{nodes.rate or 'off'}")  # its plots
+    os.makedirs(wargs.out, exist_ok=True)
+    m = spec["micro_batches"]
+    with tempfile.TemporaryDirectory(prefix="nodes-") as folder:
+        launch_across(nodes, ["scripts/benchmark_schedules.py", *common.argv(
+            wargs, worker="throughput", micro_batches=[m], schedules=names, worker_out=folder)], args.timeout)
+        ranks = [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(2)]
+    return bs.analyse_throughput(ranks, wargs, m)["schedules"]
+
+
+AUTO_ROW = re.compile(r"^\s*\d+ (\S+)( v=\d+)?( \+vocab)?\s+(\S.*?)\s+([\d.]+)\s+([\d.]+)\s")
+AUTO_RAN = re.compile(r"auto: predicted ([\d.]+) ms per step, ran ([\d.]+) ms")
+AUTO_PICK = re.compile(r"auto: chose (\S+(?: v=\d+)?(?: \+vocab)?) with")
+
+
+def train_across(nodes, args, model, extra):
+    """train.py across the nodes: (its stdout, the median step in seconds after the first two)."""
+    spec = MODELS[model]
+    with tempfile.TemporaryDirectory(prefix="nodes-train-") as folder:
+        metrics = os.path.join(folder, "metrics.jsonl")
+        results = launch_across(nodes, ["train.py", *spec["flags"], "--pipeline-parallel-size", "2",
+                                        "--micro-batch-size", str(spec["micro_batch_size"]),
+                                        "--gradient-accumulation-steps", str(spec["micro_batches"]),
+                                        "--steps", str(args.steps), "--log-interval", "1", "--eval-interval", "0",
+                                        "--metrics-file", metrics, *extra], args.timeout)
+        times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
+    return results[0][1], statistics.median(times)
+
+
+def auto_said(out):
+    """What train.py --pipeline-schedule auto printed: its predicted step per candidate (label -> s; a label's
+    best cut, and also under the schedule's name alone its best v), its pick, the pick's predicted and run step."""
+    predicted = {}
+    for line in out.split("auto: predicted per candidate", 1)[-1].splitlines()[2:]:
+        m = AUTO_ROW.match(line)
+        if not m:
+            break
+        step = float(m.group(5)) / 1e3
+        predicted.setdefault(m.group(1) + (m.group(2) or "") + (m.group(3) or ""), step)
+        predicted.setdefault(m.group(1) + (m.group(3) or ""), step)
+    pick, ran = AUTO_PICK.search(out), AUTO_RAN.search(out)
+    return {"predicted": predicted, "pick": pick.group(1) if pick else None,
+            "pick_predicted_s": float(ran.group(1)) / 1e3 if ran else None,
+            "pick_ran_s": float(ran.group(2)) / 1e3 if ran else None}
+
+
+def auto_run(nodes, args, model):
+    """auto across the nodes: what it said (auto_said); the run's median step where it said none."""
+    out, median = train_across(nodes, args, model, ["--pipeline-schedule", "auto"])
+    said = auto_said(out)
+    said["pick_ran_s"] = said["pick_ran_s"] or median
+    return said
+
+
+def schedule_names(args, model):
+    import benchmark_schedules as bs
+
+    from schedules.registry import available_schedules
+    m = MODELS[model]["micro_batches"]
+    names = []
+    for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
+        try:
+            bs.spec_of(name).factory(micro_batches=m, stages=2, stage_id=0)
+            names.append(name)
+        except ValueError:
+            pass
+    return sorted(names, key=lambda n: n != "1f1b")
+
+
+def table(record):
+    """The published table: per model, a row per schedule, a column per speed."""
+    lines = [record["machine"], ""]
+    rates = record["rates"]
+    got = "; ".join(f"{r}: {record['measured_rate'][r]}" for r in rates)
+    lines.append(f"What a transfer got on each link (TCP, 8 MiB, best of 3): {got}.")
+    for model, rows in record["results"].items():
+        lines += ["", f"**{model}** (m = {MODELS[model]['micro_batches']}, micro-batch "
+                      f"{MODELS[model]['micro_batch_size']}): median step ms (x the unthrottled step) / auto's "
+                      f"prediction ms", "",
+                  "| schedule | " + " | ".join(rates) + " |", "|---" * (len(rates) + 1) + "|"]
+        for name, per_rate in rows.items():
+            cells = []
+            for r in rates:
+                c = per_rate.get(r)
+                if not c:
+                    cells.append("")
+                    continue
+                base = per_rate.get(rates[0], {}).get("step_s")
+                slow = f" (x{c['step_s'] / base:.2f})" if base and r != rates[0] else ""
+                pred = f" / {c['auto_s'] * 1e3:.0f}" if c.get("auto_s") else ""
+                cells.append(f"{c['step_s'] * 1e3:.0f}{slow}{pred}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        picks = record["auto"].get(model, {})
+        if picks:
+            lines += ["", "auto's pick: " + "; ".join(
+                f"{r}: {a['pick']} (predicted {a['pick_predicted_s'] * 1e3:.0f} ms, ran {a['pick_ran_s'] * 1e3:.0f}; "
+                f"fastest measured {a['fastest']} {a['fastest_s'] * 1e3:.0f} ms, the pick's own "
+                f"{a['pick_measured_s'] * 1e3:.0f} ms)" if a.get("pick_measured_s") else f"{r}: {a['pick']}"
+                for r, a in picks.items())]
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import benchmark_schedules as bs
+
+    from emulated_nodes import EmulatedNodes, NoRights, format_rate, parse_rate
+    if args.smoke:
+        MODELS["deep"].update(flags=["--model", "deep", "--deep-width", "64", "--deep-depth", "4"],
+                              micro_batch_size=4)
+        MODELS["gptlite"].update(flags=["--model", "gptlite", "--model-size", "tiny"], micro_batch_size=2)
+    machine = common.machine("benchmark_nodes", argparse.Namespace(device="cpu", stages=2))
+    started = time.time()
+    weights = {}
+    if "gptlite" in args.models:  # GPTlite's stages balanced on its measured layer costs, as benchmark_schedules
+        weights["gptlite"] = bs.gptlite_layer_costs(argparse.Namespace(
+            model_size=MODELS["gptlite"]["flags"][3], micro_batch_size=MODELS["gptlite"]["micro_batch_size"],
+            device="cpu"))
+    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
+              "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
+              "auto": {m: {} for m in args.models}, "args": vars(args)}
+    try:
+        nodes = EmulatedNodes(2)
+        nodes.open()
+    except NoRights as e:
+        raise SystemExit(f"error: {e}")
+    try:
+        for rnd in range(args.rounds):
+            for rate in common.rotated(args.rates, rnd):
+                nodes.set_rate(parse_rate(rate))
+                record["measured_rate"][rate] = format_rate(nodes.measure())
+                print(f"[{time.time() - started:.0f} s] link {rate}: a transfer gets {record['measured_rate'][rate]}",
+                      flush=True)
+                for model in args.models:
+                    rows = schedule_launch(nodes, args, model, schedule_names(args, model), weights.get(model))
+                    for name, row in rows.items():
+                        cell = record["results"][model].setdefault(name, {}).setdefault(rate, {"runs": []})
+                        cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"]})
+                    if model == "gptlite":
+                        _, split = train_across(nodes, args, model, ["--pipeline-schedule", "zb-v", "--vocab-parallel",
+                                                                     "--partition-method", "profile"])
+                        cell = record["results"][model].setdefault("zb-v +vocab", {}).setdefault(rate, {"runs": []})
+                        cell["runs"].append({"step_s": split})
+                    if not args.no_auto:
+                        record["auto"][model][rate] = auto_run(nodes, args, model)
+                    print(f"[{time.time() - started:.0f} s] {rate} {model}: " + ", ".join(
+                        f"{n} {c[rate]['runs'][-1]['step_s'] * 1e3:.0f}" for n, c in record["results"][model].items()
+                        if rate in c), flush=True)
+    finally:
+        nodes.close()
+    for model, rows in record["results"].items():  # medians over rounds; auto's prediction beside each
+        for name, per_rate in rows.items():
+            for rate, cell in per_rate.items():
+                cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])
+                auto = record["auto"][model].get(rate, {}).get("predicted", {})
+                cell["auto_s"] = auto.get(name)
+        for rate, a in record["auto"][model].items():
+            measured = {n: c[rate]["step_s"] for n, c in rows.items() if rate in c}
+            a["fastest"] = min(measured, key=measured.get)
+            a["fastest_s"] = measured[a["fastest"]]
+            a["pick_measured_s"] = measured.get(a["pick"], measured.get(re.sub(r" v=\d+", "", a["pick"] or "")))
+    lines = table(record)
+    lines.append(f"took {time.time() - started:.0f} s")
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "nodes.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(args.out, "nodes.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if args.docs:
+        with open(os.path.join(common.BENCH_DIR, "nodes.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        page = os.path.join(common.ROOT, "docs", "nodes.md")
+        text = open(page).read()
+        start, end = "<!-- nodes-table -->", "<!-- /nodes-table -->"
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        with open(page, "w") as f:
+            f.write(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+
+
+if __name__ == "__main__":
+    main()

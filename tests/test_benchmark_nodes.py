@@ -1,0 +1,46 @@
+"""scripts/benchmark_nodes.py without nodes: it reads auto's ranked table as train.py prints it (the real
+`choose.table`, so a change of its columns fails here), and renders the published table from a record."""
+import sys
+
+import pytest
+
+from local_launch import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import benchmark_nodes as bn  # noqa: E402
+
+from schedules.planner.candidate import Candidate  # noqa: E402
+from schedules.planner.choose import Choice, summary, table  # noqa: E402
+
+
+def candidate(schedule, step, v=None, vocab=False, cut="profile"):
+    return Candidate(schedule, v, cut, [0, 3, 7], step, step * 0.9, step * 0.1, [0.1, 0.2], [2**20, 2**21], [1e6, 2e6],
+                     step, vocab)
+
+
+def test_auto_s_table_and_pick_are_read_as_printed():
+    choice = Choice(2, 8, None, [candidate("zb-h2", 0.2143), candidate("interleaved", 0.25, v=2),
+                                 candidate("zb-v", 0.26, vocab=True),
+                                 candidate("1f1b", 0.3881, cut="uniform=parameters"),
+                                 candidate("interleaved", 0.31, v=3)], [], [])
+    out = "\n".join(["noise", "auto: predicted per candidate, fastest first (the simulator ...)", *table(choice),
+                     f"auto: {summary(choice)}; profiling and choosing took 3.0 s",
+                     "step 1/10: loss 9.1", "auto: predicted 214.3 ms per step, ran 219.0 ms (+2%; the median ...)"])
+    said = bn.auto_said(out)
+    assert said["predicted"] == pytest.approx({"zb-h2": 0.2143, "interleaved v=2": 0.25, "interleaved": 0.25,
+                                               "zb-v +vocab": 0.26, "1f1b": 0.3881, "interleaved v=3": 0.31})
+    assert (said["pick"], said["pick_predicted_s"], said["pick_ran_s"]) == ("zb-h2", pytest.approx(0.2143), 0.219)
+
+
+def test_the_table_shows_each_speed_beside_the_unthrottled_link_and_auto():
+    record = {"machine": "2-core test machine", "rates": ["off", "200mbit"],
+              "measured_rate": {"off": "12 Gbit/s", "200mbit": "191 Mbit/s"},
+              "results": {"deep": {"1f1b": {"off": {"step_s": 0.2, "auto_s": 0.21},
+                                            "200mbit": {"step_s": 0.3, "auto_s": 0.39}},
+                                   "zb-h1": {"off": {"step_s": 0.15, "auto_s": None}}}},
+              "auto": {"deep": {"200mbit": {"pick": "1f1b", "pick_predicted_s": 0.39, "pick_ran_s": 0.31,
+                                            "fastest": "1f1b", "fastest_s": 0.3, "pick_measured_s": 0.3}}}}
+    text = "\n".join(bn.table(record))
+    assert "| 1f1b | 200 / 210 | 300 (x1.50) / 390 |" in text
+    assert "| zb-h1 | 150 |  |" in text
+    assert "200mbit: 1f1b (predicted 390 ms, ran 310; fastest measured 1f1b 300 ms, the pick's own 300 ms)" in text
