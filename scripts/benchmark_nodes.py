@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -214,6 +215,7 @@ def main(argv=None):
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "auto": {m: {} for m in args.models}, "args": vars(args)}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the namespaces go on SIGTERM too (finally below)
     try:
         nodes = EmulatedNodes(2)
         nodes.open()

@@ -78,22 +78,33 @@ def test_without_the_rights_the_tool_says_so_in_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "--fault" in err[0] and "cut:NODE@SECONDS" in err[0], err
 
 
+def on_both(nodes, script):
+    """tests/SCRIPT as rank k on node k of two: what rank 0 printed."""
+    env = [{**os.environ, **nodes.environment(k), "RANK": str(k), "WORLD_SIZE": "2", "MASTER_ADDR": nodes.addr(0),
+            "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"} for k in range(2)]
+    ranks = [subprocess.Popen(nodes.command(k, [sys.executable, f"tests/{script}"]), cwd=ROOT, env=env[k],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    out = [r.communicate(timeout=120) for r in ranks]
+    assert all(r.returncode == 0 for r in ranks), out
+    return out[0][0]
+
+
 @needs_namespaces
 @pytest.mark.multiprocess
-def test_a_set_link_rate_is_what_gloo_sees():
+def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
     with EmulatedNodes(2, rate="200mbit") as nodes:
         made = namespaces_of(os.getpid())
         assert len(made) == 3
         tcp = nodes.measure()
-        env = [{**os.environ, **nodes.environment(k), "RANK": str(k), "WORLD_SIZE": "2", "MASTER_ADDR": nodes.addr(0),
-                "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"} for k in range(2)]
-        ranks = [subprocess.Popen(nodes.command(k, [sys.executable, "tests/gloo_rate_probe.py"]), cwd=ROOT, env=env[k],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
-        out = [r.communicate(timeout=120) for r in ranks]
-        assert all(r.returncode == 0 for r in ranks), out
-        gloo = float(out[0][0])
+        gloo = float(on_both(nodes, "gloo_rate_probe.py"))
+        profile = json.loads(on_both(nodes, "p2p_profile_probe.py"))
     assert abs(gloo / 200e6 - 1) < 0.10, f"gloo got {gloo / 1e6:.1f} Mbit/s of 200"
     assert abs(tcp / 200e6 - 1) < 0.10, f"a TCP transfer got {tcp / 1e6:.1f} Mbit/s of 200"
+    # auto's link: a byte's time is the link's, and a receive's own time leaves the wire out (the simulator puts
+    # the wire time between send and receive; counted in both, a slow link's cost was paid twice)
+    wire = (128 << 10) * 8 / 200e6
+    assert abs(profile["per_byte"] * (128 << 10) / wire - 1) < 0.15, profile
+    assert profile["recv"] < 0.3 * wire, profile
     assert not namespaces_of(os.getpid())
 
 

@@ -447,9 +447,10 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
     """{'latency', 'per_byte', 'send', 'recv', 'reduce_latency', 'reduce_per_byte'} between ranks 0 and 1 of
     the default process group: one-way time of a 4-byte message by ping-pong (latency) and the slope per byte
     up to a message of max(`nbytes`, 1 MiB); the time posting a send of `nbytes` takes on its rank, and the
-    time a receive takes once its sender waits; an all-reduce of 4 bytes and of `reduce_bytes` over all
-    ranks (what DualPipe's gradient sum costs). The least time of the repeats. Every rank of the group calls
-    it, and gets the same figures."""
+    time a receive takes once its sender waits beyond the message's one-way time (the wire time is the
+    latency's, which the simulator charges between the two: counted here too, a slow link's was paid twice);
+    an all-reduce of 4 bytes and of `reduce_bytes` over all ranks (what DualPipe's gradient sum costs). The
+    least time of the repeats. Every rank of the group calls it, and gets the same figures."""
     import torch
     import torch.distributed as dist
     rank = dist.get_rank()
@@ -500,7 +501,9 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
             min(recvs) if recvs else 0.0, reduce_small, (reduce_big - reduce_small) / reduce_bytes]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank gets rank 0's and rank 1's figures
-    return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2], 'recv': every[1][3],
+    one_way = every[0][0] + max(every[0][1], 0.0) * (nbytes - 4)
+    return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2],
+            'recv': max(every[1][3] - one_way, 0.0),
             'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0)}
 
 
