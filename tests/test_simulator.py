@@ -460,7 +460,7 @@ def test_kept_structure_and_replayed_iterations_give_a_fresh_simulations_answers
 def test_a_call_at_other_costs_replays_the_kept_structure(monkeypatch):
     from collections import OrderedDict
 
-    from schedules.simulator import simulate as sim
+    from schedules.simulator import structure as sim
     monkeypatch.setattr(sim, '_STRUCTURES', OrderedDict())  # none kept by earlier tests
     simulate('zb-v', 4, 8)
     runs = []

@@ -1,0 +1,257 @@
+"""Timing: a structure's timing nodes given their times at a call's costs (`_replay`), the passes and their columns
+read back (`_Replayed`), and the peaks of activation memory per rank (`_peaks`).
+"""
+from operator import itemgetter
+
+import numpy as np
+
+from schedules.simulator.structure import _RECV_CPU, _SEND_CPU, _WAIT, _ZERO, _slots
+from schedules.simulator.timeline import Pass
+
+# ----------------------------------------------------------------------------------------------
+# Timing: the programs' nodes given their times.
+
+class _Variant:
+    """A program's nodes less those whose time is another's: `same` (a boolean per node) those whose time is their
+    first input's, `ends` those whose time is their second's. `where[n]`: the node here that has node n's time."""
+    __slots__ = ('A', 'B', 'K', 'where')
+
+    def __init__(self, prog, same, ends=None):
+        p, n = prog.ranks, len(prog.A)
+        A, B, K = prog.A, prog.B, prog.K
+        parent = np.arange(p + n, dtype=np.int64)
+        parent[p:][same] = A[same]
+        gone = same
+        if ends is not None:
+            ends = ends & ~same
+            parent[p:][ends] = B[ends]
+            gone = same | ends
+        while True:  # each node to the first one kept before it (its time)
+            up = parent[parent]
+            if np.array_equal(up, parent):
+                break
+            parent = up
+        kept = ~gone
+        number = np.arange(p + n, dtype=np.int64)
+        number[p:][kept] = p + np.arange(int(kept.sum()), dtype=np.int64)
+        self.where = number[parent]
+        self.A, self.B, self.K = self.where[A[kept]], self.where[B[kept]], K[kept]
+
+
+def _timing_variant(prog, zero, nonneg):
+    """`prog` timed at costs whose params `zero` (dispatch, send, receive, step before, after, rollback: all 0.0 or
+    not) says are 0.0: without the nodes that add such a param to one time (x + 0.0 is x), and, when no latency or
+    receive time is below zero, the waits for an op posted just before (they end with their op). Kept per `zero`."""
+    key = (zero, nonneg)
+    found = prog.variants.get(key)
+    if found is None:
+        p = prog.ranks
+        dispatch, before, after, rollback, costs = _slots(p, prog.runs)
+        known = np.zeros(costs + 1, dtype=bool)  # the params that are 0.0 (the passes' costs are not looked at)
+        known[_ZERO] = True
+        for (lo, hi), is_zero in zip(((dispatch, dispatch + p), (_SEND_CPU, _SEND_CPU + 1), (_RECV_CPU, _RECV_CPU + 1),
+                                      (before, before + p), (after, after + p), (rollback, costs)), zero):
+            known[lo:hi] = is_zero
+        ends = None
+        if nonneg and prog.folds:
+            ends = np.zeros(len(prog.A), dtype=bool)
+            ends[prog.folds] = True
+        found = prog.variants[key] = _Variant(prog, (prog.A == prog.B) & known[np.minimum(prog.K, costs)], ends)
+    return found
+
+
+def _evaluate(A, B, add, carry):
+    """The time of every node: max(t[a], t[b]) + its param, the ranks starting at `carry`."""
+    t = list(carry)
+    push = t.append
+    for a, b, c in zip(A, B, add):
+        x = t[a]
+        y = t[b]
+        push((x if x > y else y) + c)
+    return t
+
+
+def _visits(prog, carry, lists):
+    """For every node of `prog` (its `where`), the visit of the simulation's sweep (round * p + rank) in which it was
+    made, the ranks' first at `carry`: a wait ends at its rank's first visit at or after the one that matched its
+    op; any other node is made when the later of its inputs was. What numbers paired passes in a replayed run as the
+    simulation would have."""
+    p = prog.ranks
+    var = prog.variants.get('visits')
+    if var is None:  # a node adding to one time is made with it
+        var = prog.variants['visits'] = _Variant(prog, (prog.A == prog.B) & ((prog.K < _WAIT) | (prog.K >= _WAIT + p)))
+    if var not in lists:  # (the steady runs share theirs)
+        waiter = np.where((var.K >= _WAIT) & (var.K < _WAIT + p), var.K - _WAIT + 1, 0)  # its rank + 1, for a wait
+        lists[var] = var.A.tolist(), var.B.tolist(), waiter.tolist()
+    v = list(carry)
+    push = v.append
+    for a, b, r in zip(*lists[var]):
+        x = v[a]
+        y = v[b]
+        if r:
+            y += (r - 1 - y) % p
+        push(x if x > y else y)
+    return np.array(v, dtype=np.int64)[var.where]
+
+
+def _pair_numbers(segments):
+    """Per segment, {its simulation's pair id: the id the simulation of all the segments' runs at once gives}. Kept
+    with the first program, per number of segments (the steady ones being its `later`)."""
+    first = segments[0][0]
+    key = ('pairs', len(segments))
+    if key not in first.variants:
+        order, carry, lists = [], list(range(first.ranks)), {}
+        for n, (prog, _) in enumerate(segments):
+            v = _visits(prog, carry, lists).tolist()
+            order += [(v[node], n, g) for g, (node, _) in enumerate(prog.fetch)]
+            carry = [v[node] for node in prog.ends]
+        out = [{} for _ in segments]
+        for i, (_, n, g) in enumerate(sorted(order)):
+            out[n][g + 1] = i + 1
+        first.variants[key] = out
+    return first.variants[key]
+
+
+class _Replayed:
+    """The times of a replay: each rank's clock at the end, iteration ends and validation waits (by run), and its
+    passes, built when asked for (`passes()`) from each segment's start and end times."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+        self.clocks = [0.0] * ranks
+        self.iteration_end = [{} for _ in range(ranks)]
+        self.validation_waits = [{} for _ in range(ranks)]
+        self.segments = []  # (program, first run, starts, stops)
+        self.run_iteration = None
+        self.instructions = 0
+
+    def passes(self):
+        rows = [[] for _ in range(self.ranks)]
+        its = self.run_iteration
+        programs = [(prog, run0) for prog, run0, _, _ in self.segments]
+        renumber = _pair_numbers(programs) if len(programs) > 1 and programs[0][0].fetch else None
+        for n, (prog, run0, starts, stops) in enumerate(self.segments):
+            order, bounds, kind, stage, chunk, mb, direction, pair, paired, run = _columns(prog)
+            if renumber:
+                pair = [renumber[n][x] if y else x for x, y in zip(pair, paired)]
+            made = list(map(Pass, kind, stage, chunk, mb, starts[order].tolist(), stops[order].tolist(), direction,
+                            pair, [its[run0 + r] for r in run]))
+            for r, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                rows[r] += made[lo:hi]
+        return rows
+
+    def columns(self):
+        """The passes as columns in the timeline's order (rank by rank, each in its order), without a Pass object
+        each: numpy arrays `rank`, `start`, `end`, `iteration`, `key` (of (rank, chunk, kind, chunk size) in
+        `keys`), and the lists `kind`, `stage`, `chunk`, `micro_batch`, `direction`, `pair` in another order,
+        `at[i]` being the timeline's pass i there. None when the segments count their passes differently."""
+        keys = self.segments[0][0].keys
+        if any(prog.keys is not keys for prog, _, _, _ in self.segments):
+            return None
+        programs = [(prog, run0) for prog, run0, _, _ in self.segments]
+        renumber = _pair_numbers(programs) if len(programs) > 1 and programs[0][0].fetch else None
+        out = {name: [] for name in ('rank', 'start', 'end', 'iteration', 'key')}
+        lists = {name: [] for name in ('kind', 'stage', 'chunk', 'micro_batch', 'direction', 'pair')}
+        its = np.array(self.run_iteration, dtype=np.int64)
+        for n, (prog, run0, starts, stops) in enumerate(self.segments):
+            order, _, kind, stage, chunk, mb, direction, pair, paired, run = _columns(prog)
+            if renumber:
+                pair = [renumber[n][x] if y else x for x, y in zip(pair, paired)]
+            for name, column in zip(('rank', 'start', 'end', 'iteration', 'key'),
+                                    (prog.rank_of[order], starts[order], stops[order], its[run0 + np.array(run)],
+                                     prog.key_of[order])):
+                out[name].append(column)
+            for name, column in zip(lists, (kind, stage, chunk, mb, direction, pair)):
+                lists[name] += column
+        out = {name: np.concatenate(columns) for name, columns in out.items()}
+        at = np.argsort(out['rank'], kind='stable')  # each segment rank by rank: the segments' blocks of a rank
+        return dict({name: column[at] for name, column in out.items()}, at=at, keys=keys, **lists)
+
+    def busy(self):
+        """Each rank's passes' time, summed as Timeline.busy sums it (in its order)."""
+        prog, _, starts, stops = self.segments[0]
+        durations = stops - starts
+        return [sum(durations[prog.rank_of == r].tolist()) for r in range(self.ranks)]
+
+
+def _columns(prog):
+    """The passes of `prog` rank by rank (each in its order): that order, where each rank's start, and their
+    kind, stage, chunk, micro-batch, direction, pair, paired, run as lists. Kept with the program."""
+    found = prog.variants.get('columns')
+    if found is None:
+        order = np.argsort(prog.rank_of, kind='stable')
+        bounds = np.searchsorted(prog.rank_of[order], np.arange(prog.ranks + 1)).tolist()
+        ranked = [prog.passes[i] for i in order.tolist()]
+        found = prog.variants['columns'] = (order, bounds, *(list(map(itemgetter(i), ranked)) for i in range(1, 9)))
+    return found
+
+
+def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
+            memo=None):
+    """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
+    ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
+    back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params."""
+    first = segments[0][0]
+    p = first.ranks
+    out = _Replayed(p)
+    out.run_iteration = run_iteration
+    send_cpu, recv_cpu = p2p_cpu
+    parts = [step_parts(r) for r in range(p)]
+    dispatches = [dispatch.get(r, 0.0) for r in range(p)]
+    head = ([0.0, latency, send_cpu, recv_cpu] + [0.0] * p + dispatches + [b for b, _ in parts]
+            + [a for _, a in parts])
+    nonneg = latency >= 0 and recv_cpu >= 0
+    common = (all(x == 0 for x in dispatches), send_cpu == 0, recv_cpu == 0, all(b == 0 for b, _ in parts),
+              all(a == 0 for _, a in parts))
+    carry = [0.0] * p
+    lists = {}  # a variant's nodes as lists, and the params of its last replay with them (the steady runs share them)
+    for n, (prog, run0) in enumerate(segments):
+        blocks = [rollback.get(r, 0.0) if run0 + run in wasted else 0.0
+                  for run in range(prog.runs) for r in range(p)]
+        if fixed:
+            costs = np.array([cost(*key) for key in prog.keys], dtype=np.float64)[prog.key_of]
+        else:  # taken in turn: in each rank's order
+            costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
+        params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
+        var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
+        kept = memo.get('first') if memo is not None and n == 0 else None
+        if kept is not None and kept[0] is var and np.array_equal(kept[1], params):
+            t = kept[2]
+        else:
+            if var not in lists:
+                lists[var] = [var.A.tolist(), var.B.tolist(), None, None]
+            nodes = lists[var]
+            if nodes[2] is None or not np.array_equal(nodes[2], params):
+                nodes[2:] = params, params[var.K].tolist()
+            t = np.array(_evaluate(nodes[0], nodes[1], nodes[3], carry))
+            if memo is not None and n == 0:
+                memo['first'] = (var, params, t)
+        where = var.where
+        for run, r, node in prog.iteration_end:
+            out.iteration_end[r][run0 + run] = float(t[where[node]])
+        for run, r, arrived, clock in prog.validation:
+            out.validation_waits[r][run0 + run] = max(0.0, float(t[where[arrived]]) - float(t[where[clock]]))
+        out.segments.append((prog, run0, t[where[prog.starts]], t[where[prog.stops]]))
+        carry = t[where[np.array(prog.ends, dtype=np.int64)]].tolist()
+    out.clocks = carry
+    out.instructions = sum(prog.instructions for prog, _ in segments)
+    return out
+
+
+def _peaks(prog, memory_of, forward_only, within_of=lambda rank, chunk, kind: 0.0):
+    """Each rank's peak activation memory over `prog`'s passes, in its order: after each pass, and within it where
+    the pass holds more while it runs (`within_of`: bytes above its start)."""
+    deltas = [0.0 if forward_only and kind == 'F' else memory_of(rank, chunk, kind, size)
+              for rank, chunk, kind, size in prog.keys]
+    within = [0.0 if forward_only and kind == 'F' else within_of(rank, chunk, kind)
+              for rank, chunk, kind, _ in prog.keys]
+    memory = [0.0] * prog.ranks
+    peak = [0.0] * prog.ranks
+    for t, i in zip(prog.passes, prog.key_of.tolist()):
+        r = t[0]
+        inside = memory[r] + within[i]
+        m = memory[r] = memory[r] + (deltas[i] if t[12] is None else t[12])
+        m = max(m, inside)
+        if m > peak[r]:
+            peak[r] = m
+    return peak
