@@ -110,11 +110,15 @@ AUTO_PICK = re.compile(r"auto: chose (\S+(?: v=\d+)?(?: \+vocab)?) with")
 
 
 def train_across(nodes, args, model, extra):
-    """train.py across the nodes: (its stdout, the median step in seconds after the first two)."""
+    """train.py across the nodes, on the engines' config of the schedule launches (torch's fused AdamW: what auto
+    profiles is then what those measured): (its stdout, the median step in seconds after the first two)."""
     spec = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="nodes-train-") as folder:
-        metrics = os.path.join(folder, "metrics.jsonl")
+        metrics, config = os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "ds_config.json")
+        with open(config, "w") as f:
+            json.dump(common.engine_config(spec["micro_batch_size"], spec["micro_batches"]), f)
         results = launch_across(nodes, ["train.py", *spec["flags"], "--pipeline-parallel-size", "2",
+                                        "--deepspeed_config", config,
                                         "--micro-batch-size", str(spec["micro_batch_size"]),
                                         "--gradient-accumulation-steps", str(spec["micro_batches"]),
                                         "--steps", str(args.steps), "--log-interval", "1", "--eval-interval", "0",
