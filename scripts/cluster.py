@@ -30,10 +30,13 @@ from emulated_nodes import EmulatedNodes, NoRights, format_rate, parse_rate, swe
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^step (\d+)/")  # train.py's progress line
-# What torch's C++ side prints while a node cannot reach its peers: glog-style lines ("[W1204 15:07:03.64
+# What torch prints while a node cannot reach its peers: its C++ side's glog-style lines ("[W1204 15:07:03.64
 # socket.cpp:207] [c10d] ..."), and the stack frames under them. Held back and counted, not streamed.
 NOISE = re.compile(r"^(\[rank\d+\]:)?\[[WE]\d{4} [^\]]*\]|^frame #\d+:|^Exception raised from "
-                   r"|^<omitting python frames>")
+                   r"|^<omitting python frames>"
+                   # torchrun's agents, glog-style too: at a clean end the agent whose node hosts the store may leave
+                   # first, and the other's exit barrier logs a traceback
+                   r"|^[WE]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/distributed/elastic/")
 
 
 def parse_fault(text):
