@@ -1,6 +1,11 @@
 """GPTlite: a small GPT-2-style decoder, and its DeepSpeed pipeline builds.
 
-    idx (B,T) -> EmbeddingsSum -> Block x n_layer -> LayerNorm -> lm_head -> logits (B,T,V)
+    idx (B,T) -> EmbeddingsSum -> Block x n_layer -> LayerNorm -> lm_head -> (hidden, head weight) -> loss
+
+The head's projection runs inside the loss, the vocabulary in chunks (schedules/runtime/chunked_head.py):
+`head_loss(head)` takes the head's (hidden, weight), keeping the exponentials of its logits for the backward
+(`head="chunked"`) or computing them again there (`"recompute"`), or the logits of `head="linear"` (nn.Linear and
+torch's cross-entropy).
 
 - `GPTlite`: the plain model (what runs without a pipeline).
 - `GPTlite.to_layers()`: the same modules as the ordered list `PipelineModule(layers=...)` takes;
@@ -21,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
+from schedules.runtime.chunked_head import ChunkedHead, chunked_head_loss
 from schedules.runtime.pipe_module import LayerPipe, run_layers
 from schedules.runtime.vocab_parallel import VocabSlice, refusal, slice_layout, vocab_parallel_loss
 from schedules.runtime.weight_grad import Embedding, Linear  # whose weight gradients a W pass can defer
@@ -35,6 +41,7 @@ class GPTliteConfig:
     n_embd: int = 384
     dropout: float = 0.0
     seed: int = 0            # layer i is initialised from seed LAYER_SEED_BASE + seed + i
+    head: str = "chunked"    # the whole head: its projection in the loss ("chunked", "recompute"); "linear": logits
 
 
 MODEL_SIZES = {
@@ -112,8 +119,18 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class LMHead(Linear):
-    """Projection to vocabulary logits (no bias, GPT-2 init)."""
+class LMHead(ChunkedHead):
+    """The vocabulary head (no bias, GPT-2 init): returns (hidden, weight), projected to the vocabulary inside the
+    loss (`CrossEntropyLoss_FlatView`), a chunk of rows at a time."""
+
+    def __init__(self, config: GPTliteConfig):
+        super().__init__(config.n_embd, config.vocab_size)
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class LinearLMHead(Linear):
+    """The vocabulary head as a projection to the logits (`head="linear"`), for torch's cross-entropy: the same
+    weight, name and initialisation as LMHead's."""
 
     def __init__(self, config: GPTliteConfig):
         super().__init__(config.n_embd, config.vocab_size, bias=False)
@@ -140,7 +157,7 @@ def layer_specs(config: GPTliteConfig, vocab_parts: int = 1, vocab_recompute: bo
     trunk = ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
              [(nn.LayerNorm, (config.n_embd, ))])
     if vocab_parts <= 1:
-        return trunk + [(LMHead, (config, ))]
+        return trunk + [(LinearLMHead if config.head == "linear" else LMHead, (config, ))]
     rows, recompute = vocab_layout or slice_layout(config.vocab_size, vocab_parts, recompute=vocab_recompute)
     return trunk + [(LMHeadSlice, (config, k, vocab_parts, recompute[k], tuple(rows)), len(trunk))
                     for k in range(vocab_parts)]
@@ -180,12 +197,27 @@ class GPTlitePipeSpec(GPTlitePipe):
         super().__init__(layers=[SeededLayerSpec(specs, i, config.seed) for i in range(len(specs))], **kwargs)
 
 
-def CrossEntropyLoss_FlatView(logits, labels):
-    """Cross-entropy over (B,T,V) logits and (B,T) labels; flattening happens here, not in the model."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+HEAD_KEEP = {"chunked": 1.0, "recompute": 0.0}  # the share of the logits whose exponentials the loss keeps for the
+# backward: all of them (as many bytes as torch's log-softmax; the fastest on a CPU core, no second multiply), or
+# none (one block of 2048 rows at a time, computed again in the backward; docs/vocab-parallel.md)
 
 
-def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_num_stages=0,
+def CrossEntropyLoss_FlatView(outputs, labels, keep=HEAD_KEEP["chunked"]):
+    """Cross-entropy of the head's outputs against (B,T) labels: of LMHead's (hidden, weight), computed in chunks of
+    the vocabulary (chunked_head_loss, `keep`); of (B,T,V) logits (LinearLMHead), torch's. Flattening happens here."""
+    if isinstance(outputs, tuple):
+        return chunked_head_loss(outputs, labels, keep=keep)
+    return F.cross_entropy(outputs.view(-1, outputs.size(-1)), labels.view(-1))
+
+
+def head_loss(head="chunked"):
+    """The loss of GPTlite built with `head` (GPTliteConfig.head)."""
+    if head == "recompute":
+        return functools.partial(CrossEntropyLoss_FlatView, keep=HEAD_KEEP["recompute"])
+    return CrossEntropyLoss_FlatView
+
+
+def get_model(criterion=None, vocab_size=50257, pipeline_num_stages=0,
               pipeline_spec_layers=False, activation_checkpoint_interval=0, model_size="tiny",
               partition_method="parameters", pipe_module=None, partition_weights=None, vocab_parallel=False,
               vocab_recompute=True, vocab_layout=None, **config_overrides):
@@ -200,6 +232,7 @@ def get_model(criterion=CrossEntropyLoss_FlatView, vocab_size=50257, pipeline_nu
     per slice instead.
     """
     config = replace(MODEL_SIZES[model_size], vocab_size=vocab_size, **config_overrides)
+    criterion = criterion or head_loss(config.head)
     if not pipeline_num_stages:
         return GPTlite(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,

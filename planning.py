@@ -47,7 +47,8 @@ def gptlite_config(args):
     import gptlite
     config = gptlite.MODEL_SIZES[args.model_size]
     return replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
-                   block_size=getattr(args, "block_size", None) or config.block_size)
+                   block_size=getattr(args, "block_size", None) or config.block_size,
+                   head=getattr(args, "head", "chunked"))  # the head that runs is the head measured
 
 
 def slice_builders(args, parts, recompute=True):
@@ -76,8 +77,8 @@ def loss_function(args):
     if args.model == "deep":
         from deep_model import mse_loss
         return mse_loss
-    from gptlite import CrossEntropyLoss_FlatView
-    return CrossEntropyLoss_FlatView
+    from gptlite import head_loss
+    return head_loss(getattr(args, "head", "chunked"))  # the loss of the head that runs
 
 
 def optimizer_factory(cfg):
@@ -134,7 +135,8 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
     if not calibrated:  # the step measured without the engine
         rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
     if split is None:
-        split = args.model == "gptlite" and parts >= 2
+        # the split head's slices are the chunked head's math: a run that asks for torch's head is not offered them
+        split = args.model == "gptlite" and parts >= 2 and getattr(args, "head", "chunked") != "linear"
     slices, slices_started = None, time.perf_counter()
     if split:
         from schedules.runtime.vocab_parallel import vocab_parallel_loss
@@ -170,6 +172,7 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
             dist.broadcast_object_list(box, src=0)
             dispatch = box[0]
     meta = {"model": args.model, "model_size": args.model_size if args.model == "gptlite" else None,
+            "vocab_size": gptlite_config(args).vocab_size if args.model == "gptlite" else None,
             "deep_width": args.deep_width if args.model == "deep" else None, "deep_depth": args.deep_depth
             if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
             "device": str(device or "cpu"), "threads": torch.get_num_threads(), "ranks": world, "repeats": repeats,

@@ -71,6 +71,11 @@ def parse_args(argv=None):
                 "the schedule on the measured layers where they are measured (--partition-method profile, "
                 "--pipeline-schedule auto; the fastest predicted with the ranks' activation memory within 1.2x), "
                 "else balanced: the slices alone even in time and memory; even: even rows, nothing recomputed")
+    p.flag("--head", default="chunked", choices=["chunked", "recompute", "linear"],
+           help="GPTlite's whole vocabulary head and loss: chunked (the projection inside the loss, a chunk of the "
+                "vocabulary at a time, the exponentials kept for the backward: exact, the fastest here), recompute "
+                "(the same, the logits computed again in the backward: a block of them held at a time, the least "
+                "memory) or linear (nn.Linear and torch's cross-entropy)")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
@@ -240,11 +245,11 @@ def build_model(args):
             common["n_layer"] = args.n_layer
         if args.block_size:
             common["block_size"] = args.block_size
-        model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed,
+        model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed, head=args.head,
                                   vocab_parallel=bool(pp and args.vocab_parallel),
                                   vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
                                   vocab_layout=getattr(args, "vocab_fitted", None), **common)
-        return model, gptlite.CrossEntropyLoss_FlatView
+        return model, gptlite.head_loss(args.head)
     except ValueError as e:  # e.g. a partition that leaves a model stage empty (every rank computes the same cut)
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-parallel-size {pp}: {e}") \
             from None

@@ -139,7 +139,7 @@ def layer_types(args):
 
     import gptlite
     config = gptlite.MODEL_SIZES[args.model_size]
-    config = replace(config, n_layer=args.n_layer or config.n_layer)
+    config = replace(config, n_layer=args.n_layer or config.n_layer, head=getattr(args, "head", "chunked"))
     parts = args.pipeline_parallel_size if getattr(args, "vocab_parallel", False) else 1
     return [spec[0].__name__ for spec in gptlite.layer_specs(config, vocab_parts=parts)]
 
@@ -175,8 +175,13 @@ def _validate_vocab_parallel(args, need):
     layout = getattr(args, "vocab_layout", "auto")
     need(layout == "auto" or args.vocab_parallel or args.pipeline_schedule == "auto",
          f"--vocab-layout {layout} lays out the slices of a split head: add --vocab-parallel, or drop --vocab-layout")
+    head = getattr(args, "head", "chunked")
+    need(head == "chunked" or args.model == "gptlite", f"--head {head} chooses GPTlite's head: drop it for --model "
+         f"deep")
     if not args.vocab_parallel:
         return
+    need(head == "chunked", f"--head {head} keeps GPTlite's head whole, --vocab-parallel splits it into slices "
+         f"(the chunked head's math): drop one of them")
     from schedules.registry import splitting_schedules
     pp, name = args.pipeline_parallel_size, args.pipeline_schedule
     need(args.model == "gptlite", "--vocab-parallel splits GPTlite's vocabulary head: drop it for --model deep")

@@ -272,10 +272,15 @@ def _report_deferral(engine, spec, layers, elements, total):
 
 # The split vocabulary head (schedules/runtime/vocab_parallel.py), imported on first use: it imports torch.
 _VOCAB_PARALLEL = ("VocabSlice", "vocab_parallel_loss", "with_labels", "merge_slices", "splitting_schedules")
+# The whole head and its loss in chunks of the vocabulary (schedules/runtime/chunked_head.py), likewise.
+_CHUNKED_HEAD = ("ChunkedHead", "chunked_head_loss", "linear_cross_entropy", "head_output")
 
 
 def __getattr__(name):
     if name in _VOCAB_PARALLEL:
         from schedules.runtime import vocab_parallel
         return getattr(vocab_parallel, name)
+    if name in _CHUNKED_HEAD:
+        from schedules.runtime import chunked_head
+        return getattr(chunked_head, name)
     raise AttributeError(f"module 'schedules' has no attribute {name!r}")

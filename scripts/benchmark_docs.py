@@ -1092,17 +1092,30 @@ def one_process_section(doc):
         out += [para(f"""GPTlite {spec['size']}{context}, {a['micro_batches']} micro-batches of
             {spec['micro_batch_size']} (every configuration's last loss within {max(losses) - min(losses):.0e} of the
             others):"""),
-                table(["engine, ZeRO stage", "median step (ms)", "vs the shipped config on DeepSpeed's engine"],
+                table(["engine, ZeRO stage", f"median step ({'CPU ' if a.get('cpu_time') else ''}ms)",
+                       "vs the shipped config on DeepSpeed's engine"],
                       [[name, f"{r['step_s'] * 1e3:.0f}", f"{ref / r['step_s']:.2f}x"] for name, r in rows.items()])]
+        linear = rows.get("ours, ZeRO 1, --head linear")
+        if linear and m.get("memory"):  # GPTlite's heads on our engine (records since the chunked head)
+            lin = m["memory"]["linear"]["head"]
+            out.append(table(["`--head`", "step vs torch's head (`linear`)", "peak saved, model (MiB)",
+                              "peak saved, head and loss (MiB)", "vs torch's head"],
+                             [[head, f"{linear['step_s'] / rows[name].get('step_s'):.2f}x",
+                               f"{mem['model'] / 2**20:.1f}", f"{mem['head'] / 2**20:.1f}", f"{mem['head'] / lin:.2f}"]
+                              for head, mem in m["memory"].items()
+                              for name in [f"ours, ZeRO 1, --head {head}" if head != "chunked" else "ours, ZeRO 1"]]))
     flags = [("--models", a["models"]), ("--steps", a["steps"]), ("--rounds", a["rounds"])]
+    heads = ("""with GPTlite's head in chunks ([the whole head in chunks](vocab-parallel.md#the-whole-head-in-chunks))
+        and, on ours at ZeRO 1, with its other heads (`--head recompute`, `--head linear`: torch's), peak bytes saved
+        for backward over one micro-batch by the memory tracker, """ if doc["models"][0].get("memory") else "")
     return blocks(["## One process, no pipeline", code(command("benchmark_one_process.py", flags) + " --docs"),
                    para(f"""
         On {doc['machine']}: what `train.py --pipeline-parallel-size 0` runs, one thread, the shipped
         `ds_config.json` at ZeRO 1 and at 0, on DeepSpeed's own engine and on ours (`LeanEngine`,
         schedules/runtime/lean_engine.py, which `schedules.initialize` builds for a model that is not pipelined),
-        in {a['rounds']} rotating rounds of {a['steps']} steps, the first {a['warmup']} of each left out; every engine
-        built afresh from the same weights and trained on the same micro-batches
-        ([choosing.md](choosing.md#the-shipped-configuration)).""")] + out
+        {heads}in {a['rounds']} rotating rounds of {a['steps']} steps,
+        the first {a['warmup']} of each left out; every engine built afresh from the same weights and trained on
+        the same micro-batches ([choosing.md](choosing.md#the-shipped-configuration)).""")] + out
         + [para("Raw numbers: [`bench/one-process.json`](bench/one-process.json).")])
 
 

@@ -85,7 +85,7 @@ def main(zero, clip, model_name, nan=False):
         losses = []
         for step, batches in enumerate(steps):
             for k, (x, y) in enumerate(batches):
-                loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1))
+                loss = gptlite.CrossEntropyLoss_FlatView(engine(x), y)  # GPTlite's head, or the plain model's logits
                 engine.backward(loss * float("nan") if nan and (step, k) == (1, 0) else loss)
                 engine.step()
                 losses.append(loss.item())

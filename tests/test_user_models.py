@@ -44,6 +44,7 @@ def check(results, linear_on_every_rank=True):
 @pytest.mark.parametrize("model,schedules", [
     ("mlp", ALL),
     ("tied", ALL),
+    ("tied-chunked", ALL),  # the library's chunked head and loss (schedules/runtime/chunked_head.py)
     ("masked", ALL),
     ("dynamic", [s for s in ALL if s != "dualpipev-deepspeed"]),  # DeepSpeed's DualPipeV refuses dynamic shapes
     ("conv", ALL),

@@ -2,8 +2,9 @@
 PipelineModule layer list. Each entry of MODELS gives the layers as
 LayerSpecs / TiedLayerSpecs, seeded by DeepSpeed (`seed_layers`), so every rank and the single-process
 reference build the same initial weights: plain nn.Linear layers (mlp), a tied input/output embedding
-(tied), a tuple with an int64 mask between stages (masked), a sequence length that changes from one
-micro-batch to the next (dynamic), convolutions (conv).
+(tied), the tied head and its loss computed together in chunks of the vocabulary (tied-chunked,
+schedules.chunked_head_loss), a tuple with an int64 mask between stages (masked), a sequence length that changes
+from one micro-batch to the next (dynamic), convolutions (conv).
 """
 import torch
 import torch.nn as nn
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 WIDTH, VOCAB, TOKENS, MICRO_BATCH = 16, 32, 6, 2
+CHUNK = 12  # rows of the vocabulary per block of the chunked head: 12, 12 and 8
 
 
 def mlp():
@@ -47,6 +49,23 @@ def tied():
     layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH)]
     layers += [LayerSpec(Block, WIDTH) for _ in range(8)]
     return layers + [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=tied_head)]
+
+
+def chunked_head(embedding, x):
+    """A tied output head for the library's chunked loss (schedules.chunked_head_loss): (hidden, the embedding's
+    weight), projected inside the loss."""
+    from schedules.runtime.chunked_head import head_output
+    return head_output(x, embedding.weight)
+
+
+def tied_chunked():
+    """`tied`, its head and loss computed together, a few rows of the vocabulary at a time (CHUNK)."""
+    return tied()[:-1] + [TiedLayerSpec("embed", nn.Embedding, VOCAB, WIDTH, forward_fn=chunked_head)]
+
+
+def chunked_loss(outputs, labels):
+    from schedules.runtime.chunked_head import chunked_head_loss
+    return chunked_head_loss(outputs, labels, chunk=CHUNK)
 
 
 class MaskedEmbedding(nn.Embedding):
@@ -110,5 +129,6 @@ MODELS = {  # name: (layers, loss, micro-batch of an index, PipelineModule argum
     "tied": (tied, cross_entropy, token_batch, {}),
     "masked": (masked, cross_entropy, token_batch, {}),
     "dynamic": (tied, cross_entropy, varying_token_batch, {"dynamic_shape": True}),
+    "tied-chunked": (tied_chunked, chunked_loss, token_batch, {}),
     "conv": (conv, F.cross_entropy, image_batch, {}),
 }

@@ -106,6 +106,8 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None, layou
     work = sum(c.F + c.B + c.W for c in both)  # a micro-batch's F + B + W of every row
     params, param_bytes = _split_count(head.params, rows), _split_count(head.param_bytes, rows)
     message = profile.layers[-2].output_bytes if len(profile.layers) > 1 else 0
+    # the logits' fp32 bytes, tokens x V: the head's input over its width (its parameters over V), times V
+    logits = message * vocab * vocab / head.params if head.params and message else head.output_bytes
     pieces = []
     for k in range(parts):
         share, kept = rows[k] / total, (rows[k] - recomputed[k]) / total
@@ -118,7 +120,7 @@ def split_head(profile, parts, recompute=True, cost=None, vocab_size=None, layou
             own = head.saved[state][1]  # the slice's input: the hidden state, saved whole by every slice
             rest = sum(c.saved[state][0] for c in both) - own
             saved[state] = [own + rest * (kept if state == 'F' else share), own, 0]
-        again = recomputed[k] / total * head.output_bytes  # the logits its backward computes again, while it runs
+        again = recomputed[k] / total * logits  # the logits its backward computes again, while it runs
         pieces.append(LayerCost(f"{head.name}Slice", *(seconds[kind] for kind in KINDS), saved=saved,
                                 params=params[k], param_bytes=param_bytes[k], output_bytes=message,
                                 optimizer=head.optimizer * share,
@@ -179,8 +181,11 @@ _NOMINAL_ROWS = 1 << 30  # a head's row count where the profile does not give it
 
 
 def _vocab_size(profile):
-    """The head's rows V from its measurement, or None: its parameters are h V, its output over its input (the
+    """The head's rows V: as the profile records it (`meta['vocab_size']`: a head whose projection runs in its loss
+    outputs no logits), else from its measurement, or None: its parameters are h V, its output over its input (the
     layer before's output) V / h tokens' worth alike."""
+    if profile.meta.get("vocab_size"):
+        return int(profile.meta["vocab_size"])
     head = profile.layers[-1]
     hidden = profile.layers[-2].output_bytes if len(profile.layers) > 1 else 0
     if not (head.params and head.output_bytes and hidden):

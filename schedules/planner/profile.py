@@ -140,8 +140,10 @@ def _tensors(out):
 
 
 def _backward(out):
+    """The backward of a layer's outputs: of those computed in it (a leaf among them, its input passed on, as a
+    ChunkedHead or a VocabSlice passes the hidden state on, has no backward to run)."""
     import torch
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 

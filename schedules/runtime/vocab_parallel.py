@@ -29,11 +29,10 @@ fewer rows for that extra work, so that each slice's peak and its time come out 
 (docs/vocab-parallel.md#memory).
 """
 import torch
-import torch.nn.functional as F
 
 from schedules.registry import splitting_schedules
-from schedules.runtime import weight_grad
-from schedules.runtime.weight_grad import Linear, _first_grad, defer_or_compute
+from schedules.runtime.chunked_head import head_statistics
+from schedules.runtime.weight_grad import Linear
 
 
 def vocab_bounds(vocab_size, part, parts, rows=None):
@@ -119,7 +118,7 @@ class VocabSlice(Linear):
                             "schedules.vocab_parallel.with_labels")
         hidden, *carry, labels = state
         kept = self.stop - self.start - self.recomputed
-        lse, z = _SliceHead.apply(hidden, self.weight, labels - self.start, kept)
+        lse, z = head_statistics(hidden, self.weight, labels - self.start, kept)
         if carry:
             lse, z = torch.logaddexp(carry[0], lse), carry[1] + z
         return hidden, lse, z, labels
@@ -127,128 +126,6 @@ class VocabSlice(Linear):
     def extra_repr(self):
         recomputed = f", {self.recomputed} recomputed in the backward" if self.recomputed else ""
         return f"{super().extra_repr()}, rows {self.start}:{self.stop} (slice {self.part} of {self.parts}){recomputed}"
-
-
-def _statistics(logits, target):
-    """Of a block of fp32 logits (turned in place into exp(logits - top)) and each token's target column in it:
-    (top, exp, log-sum-exp, the target's logit where 0 <= target < columns, else 0)."""
-    inside = (target >= 0) & (target < logits.shape[-1])
-    z = logits.gather(-1, target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1).masked_fill_(~inside, 0.0)
-    top = logits.amax(dim=-1, keepdim=True)
-    exp = logits.sub_(top).exp_()
-    top = top.squeeze(-1)
-    return top, exp, top + exp.sum(dim=-1).log(), z
-
-
-def _add_target(grad, target, grad_z):
-    """grad[token, target] += grad_z[token] where the target falls in this block of columns."""
-    inside = (target >= 0) & (target < grad.shape[-1])
-    grad.scatter_add_(-1, target.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_z.masked_fill(~inside, 0.0)
-                      .unsqueeze(-1))
-
-
-class _SliceHead(torch.autograd.Function):
-    """(log-sum-exp of each row of hidden @ weight^T, the logit at column `target` where it falls in the slice,
-    else 0): a slice's projection and statistics in fp32, its gradient exact by hand.
-
-    Of the first `kept` rows the forward keeps exp(logits - max) for the backward (one tensor of their logits'
-    size), which the backward turns in place into their gradient, softmax x the incoming gradient (+ the target's):
-    torch.logsumexp would keep the logits and compute the exponentials again. Of the other rows it keeps nothing
-    but its input and the per-token log-sum-exp: the backward computes their logits again (one multiply and an
-    exponential more), held for that time only, and memory trackers are told of that tensor (`_holding`), as of
-    what a deferred weight gradient keeps. The weight's gradient goes to the W pass as the deferrable Linear's
-    (the logits' gradient kept until W runs), or is computed at once outside a deferring backward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, kept):
-        stats = []
-        for rows, offset, keep in ((weight[:kept], 0, True), (weight[kept:], kept, False)):
-            if rows.shape[0]:
-                top, exp, lse, z = _statistics(F.linear(hidden, rows).float(), target - offset)
-                stats.append((top if keep else None, exp if keep else None, lse, z))
-        lse = stats[0][2] if len(stats) == 1 else torch.logaddexp(stats[0][2], stats[1][2])
-        z = stats[0][3] if len(stats) == 1 else stats[0][3] + stats[1][3]
-        top, exp = (stats[0][0], stats[0][1]) if kept else (None, None)
-        ctx.kept, ctx.done = kept, False
-        ctx.weight = weight  # the parameter itself, whose .grad W may set (weight_grad: not through saved tensors)
-        ctx.save_for_backward(hidden, target, lse, top, exp)
-        return lse, z
-
-    @staticmethod
-    def backward(ctx, grad_lse, grad_z):
-        if ctx.done:
-            raise RuntimeError("a VocabSlice's backward ran twice over one forward (retain_graph): its backward turns "
-                               "what it kept into the gradient in place")
-        ctx.done = True
-        hidden, target, lse, top, exp = ctx.saved_tensors
-        weight = ctx.weight
-        kept, blocks, held = ctx.kept, [], []
-        if kept:  # exp(logits - top) * exp(top - lse) is the softmax over the slice's rows
-            grad = exp.mul_((grad_lse * (top - lse).exp()).unsqueeze(-1))
-            _add_target(grad, target, grad_z)
-            blocks.append((0, kept, grad))
-        if kept < weight.shape[0]:
-            grad = _recomputed_softmax(hidden, weight[kept:], lse, grad_lse)
-            held = _holding(grad)
-            _add_target(grad, target - kept, grad_z)
-            blocks.append((kept, weight.shape[0], grad))
-        blocks = [(a, b, g.to(hidden.dtype)) for a, b, g in blocks]
-        grad_hidden = None
-        if ctx.needs_input_grad[0]:
-            for a, b, g in blocks:
-                part = g @ weight[a:b]
-                grad_hidden = part if grad_hidden is None else grad_hidden.add_(part)
-        grads = {}
-        if ctx.needs_input_grad[1]:
-            grads = defer_or_compute(_DeferredSliceGrad(weight, hidden, blocks), hidden, *(g for *_, g in blocks))
-        del held
-        return grad_hidden, grads.get(id(weight)), None, None
-
-
-def _recomputed_softmax(hidden, rows, lse, grad_lse):
-    """exp(hidden @ rows^T - lse) * grad_lse per token, in fp32: the logits computed again, turned into their
-    softmax times the incoming gradient. In fp32 with a positive incoming gradient (a loss's) the shift
-    lse - log(grad_lse) rides in the multiply (addmm) and one exponential pass follows; else three passes."""
-    if hidden.dtype == torch.float32 and bool((grad_lse > 0).all()):
-        shift = (grad_lse.log() - lse).reshape(-1, 1)
-        out = torch.addmm(shift, hidden.reshape(-1, hidden.shape[-1]), rows.t()).exp_()
-        return out.view(*lse.shape, rows.shape[0])
-    return F.linear(hidden, rows).float().sub_(lse.unsqueeze(-1)).exp_().mul_(grad_lse.unsqueeze(-1))
-
-
-class _DeferredSliceGrad:
-    """A slice's weight-gradient work for one micro-batch (weight_grad.defer_or_compute): the gradient of its
-    rows a..b is g^T @ x for each block (a, b, g) of its logits' gradient."""
-    __slots__ = ('weight', 'x', 'blocks', '_tokens')
-
-    def __init__(self, weight, x, blocks):
-        self.weight, self.x, self.blocks, self._tokens = weight, x, blocks, None
-
-    def _into(self, out):
-        x = self.x.reshape(-1, self.x.shape[-1])
-        out = torch.empty_like(self.weight) if out is None else out
-        for a, b, g in self.blocks:
-            torch.mm(g.reshape(-1, b - a).t(), x, out=out[a:b])
-        return out
-
-    def gradients(self):
-        return [(self.weight, lambda: self._into(None))]
-
-    def accumulate(self):
-        weight = self.weight
-        if weight.grad is None:
-            _first_grad(weight, self._into)
-            return
-        x = self.x.reshape(-1, self.x.shape[-1])
-        for a, b, g in self.blocks:
-            weight.grad[a:b].addmm_(g.reshape(-1, b - a).t(), x)
-
-
-def _holding(tensor):
-    """Tokens that make the memory trackers (schedules/observe/memory.py) count `tensor` as held until they are
-    dropped, as they count what a deferred weight gradient keeps: a slice's logits computed again in its backward
-    are activation memory too."""
-    return [holder.hold(tensor) for holder in weight_grad._holders]
 
 
 def vocab_parallel_loss(outputs, labels=None):

@@ -230,6 +230,11 @@ class _LinearFunction(torch.autograd.Function):
 # gradient set on it never reaches the parameter.
 
 
+def deferring():
+    """Whether a backward running now is a deferring one (B): weight-gradient work would be queued for W."""
+    return _queue is not None
+
+
 def defer_or_compute(work, *kept):
     """In a deferring backward (B), queue `work` for the W pass and return {}; else compute its
     gradients now: {id(parameter): gradient}. `kept` are the tensors the work holds (memory trackers count them)."""
