@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 PREFIX = "emnode"  # every namespace made here: emnode<pid>-n<k>, emnode<pid>-sw
@@ -108,15 +109,19 @@ def ours(names=None):
     return owners
 
 
+def _kill_in(name):
+    """SIGKILL every process in namespace `name`."""
+    for pid in _ip("netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def _remove(names):
     """Kill every process in `names`, then delete them and their /etc/netns files."""
     for name in names:
-        pids = _ip("netns", "pids", name, check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_in(name)
     for name in names:
         for _ in range(50):  # a killed process may hold the namespace for a moment
             if not _ip("netns", "pids", name, check=False).stdout.split():
@@ -219,11 +224,7 @@ class EmulatedNodes:
 
     def kill(self, k):
         """Every process on node k killed (SIGKILL), as when a node dies."""
-        for pid in _ip("netns", "pids", self.names[k], check=False).stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_in(self.names[k])
 
     def command(self, k, argv):
         """`argv` run on node k."""
@@ -234,6 +235,38 @@ class EmulatedNodes:
         told the nodes are different hosts (else it bypasses the network between processes of one machine)."""
         return {"GLOO_SOCKET_IFNAME": IFACE, "NCCL_SOCKET_IFNAME": IFACE, "NCCL_HOSTID": f"node{k}",
                 "TP_SOCKET_IFNAME": IFACE}
+
+    def run_ranks(self, argv, port, timeout, threads=1, cwd=None):
+        """`python ARGV` as one rank on each node (RANK = node, the process group's store on node 0 at `port`),
+        to their end or `timeout` seconds (then killed): every rank's (exit status, stdout, stderr)."""
+        logs, procs = [], []
+        for k in range(self.nodes):
+            env = {**os.environ, **self.environment(k), "RANK": str(k), "LOCAL_RANK": "0",
+                   "WORLD_SIZE": str(self.nodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": self.addr(0),
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(self.command(k, [sys.executable, *argv]), cwd=cwd, env=env, stdout=out,
+                                          stderr=err))
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results = []
+        for proc, (out, err) in zip(procs, logs):
+            out.seek(0)
+            err.seek(0)
+            results.append((proc.returncode, out.read(), err.read()))
+            out.close()
+            err.close()
+        return results
 
     def measure(self, src=0, dst=1, nbytes=8 << 20, rounds=3):
         """The rate in bits per second a TCP transfer of `nbytes` from node `src` to node `dst` gets (gloo's

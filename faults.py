@@ -146,7 +146,7 @@ class Peers:
             self.store.set(f"{self.PREFIX}beat/{self.rank}", "0")
         except Exception:  # no store to reach as a client: failures end as this rank's own errors
             return
-        beat, reachable = 0, time.monotonic()
+        beat, heard_from_store = 0, time.monotonic()
         keys = [f"{self.PREFIX}beat/{r}" for r in range(self.world)]
         while not self._stop.wait(self.PERIOD if beat else 0):
             try:
@@ -165,11 +165,11 @@ class Peers:
                     if stalled:
                         self.fail(1, f"rank {stalled} stopped responding for --dist-timeout {self.timeout_s} s "
                                      "(killed, stopped, cut off, or stuck), so the run ends")
-                reachable = time.monotonic()
+                heard_from_store = time.monotonic()
             except Exception:
                 # rank 0, the store's host, may be gone: wait for it with a plain socket, not the store client
                 while not self.reachable() and not self._stop.is_set():
-                    if time.monotonic() - reachable > self.timeout_s:
+                    if time.monotonic() - heard_from_store > self.timeout_s:
                         self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
                     self._stop.wait(self.PERIOD)
 

@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,31 +55,7 @@ def launch_across(nodes, argv, timeout, threads=1):
     (exit status, stdout, stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
     global PORT
     PORT += 1  # a fresh port each launch: the last one's sockets may linger in TIME_WAIT
-    logs, procs = [], []
-    for k in range(nodes.nodes):
-        env = {**os.environ, **nodes.environment(k), "RANK": str(k), "LOCAL_RANK": "0", "WORLD_SIZE": str(nodes.nodes),
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": nodes.addr(0), "MASTER_PORT": str(PORT),
-               "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        logs.append((out, err))
-        procs.append(subprocess.Popen(nodes.command(k, [sys.executable, *argv]), cwd=common.ROOT, env=env,
-                                      stdout=out, stderr=err))
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = []
-    for proc, (out, err) in zip(procs, logs):
-        out.seek(0)
-        err.seek(0)
-        results.append((proc.returncode, out.read(), err.read()))
+    results = nodes.run_ranks(argv, PORT, timeout, threads, cwd=common.ROOT)
     if any(code != 0 for code, _, _ in results):
         raise SystemExit(f"{' '.join(argv[:2])} across the nodes failed:\n" + "\n".join(
             f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
@@ -152,21 +127,6 @@ def auto_run(nodes, args, model):
     return said
 
 
-def schedule_names(args, model):
-    import benchmark_schedules as bs
-
-    from schedules.registry import available_schedules
-    m = MODELS[model]["micro_batches"]
-    names = []
-    for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
-        try:
-            bs.spec_of(name).factory(micro_batches=m, stages=2, stage_id=0)
-            names.append(name)
-        except ValueError:
-            pass
-    return sorted(names, key=lambda n: n != "1f1b")
-
-
 def table(record):
     """The published table: per model, a row per schedule, a column per speed."""
     lines = [record["machine"], ""]
@@ -233,7 +193,8 @@ def main(argv=None):
                 print(f"[{time.time() - started:.0f} s] link {rate}: a transfer gets {record['measured_rate'][rate]}",
                       flush=True)
                 for model in args.models:
-                    rows = schedule_launch(nodes, args, model, schedule_names(args, model), weights.get(model))
+                    names = bs.schedule_names(args.schedules, MODELS[model]["micro_batches"], 2)[0]
+                    rows = schedule_launch(nodes, args, model, names, weights.get(model))
                     for name, row in rows.items():
                         cell = record["results"][model].setdefault(name, {}).setdefault(rate, {"runs": []})
                         cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"]})

@@ -59,6 +59,20 @@ def candidate(key):
     return name, int(v) if v else None, cut or None
 
 
+def schedule_names(wanted, m, stages):
+    """The schedules of `wanted` (default: every trainable one) that run at m micro-batches on `stages` ranks,
+    1F1B first (the reference), and (name, why) of those that do not."""
+    from schedules.registry import available_schedules
+    names, skipped = [], []
+    for name in wanted or [n for n, s in available_schedules().items() if s.trains]:
+        try:
+            spec_of(name).factory(micro_batches=m, stages=stages, stage_id=0)
+            names.append(name)
+        except ValueError as e:
+            skipped.append((name, e))
+    return sorted(names, key=lambda n: n != "1f1b"), skipped
+
+
 def spec_of(key):
     from schedules.registry import schedule_spec
     name, v, _ = candidate(key)
@@ -365,7 +379,6 @@ def main(argv=None):
     if args.worker:
         args.micro_batches = args.micro_batches[:1]
         return worker(args)
-    from schedules.registry import available_schedules
     machine = common.machine("benchmark_schedules", args)
     os.makedirs(args.out, exist_ok=True)  # the plots of each launch
     started = time.time()
@@ -375,14 +388,8 @@ def main(argv=None):
         lines.append("GPTlite " + args.model_size + ", stages balanced by measured layer cost (ms): " +
                      " ".join(f"{c * 1e3:.1f}" for c in args.partition_weights))
     for m in args.micro_batches:
-        names = []
-        for name in args.schedules or [n for n, s in available_schedules().items() if s.trains]:
-            try:
-                spec_of(name).factory(micro_batches=m, stages=args.stages, stage_id=0)
-                names.append(name)
-            except ValueError as e:
-                lines.append(f"m = {m}: {name} skipped: {e}")
-        names.sort(key=lambda n: n != "1f1b")  # the reference first
+        names, skipped = schedule_names(args.schedules, m, args.stages)
+        lines += [f"m = {m}: {name} skipped: {why}" for name, why in skipped]
         if args.what in ("throughput", "both"):
             res = analyse_throughput(launch_worker(args, "throughput", m, names), args, m)
             report.setdefault("throughput", {})[m] = res

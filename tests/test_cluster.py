@@ -80,13 +80,9 @@ def test_without_the_rights_the_tool_says_so_in_one_line(monkeypatch, capsys):
 
 def on_both(nodes, script):
     """tests/SCRIPT as rank k on node k of two: what rank 0 printed."""
-    env = [{**os.environ, **nodes.environment(k), "RANK": str(k), "WORLD_SIZE": "2", "MASTER_ADDR": nodes.addr(0),
-            "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1"} for k in range(2)]
-    ranks = [subprocess.Popen(nodes.command(k, [sys.executable, f"tests/{script}"]), cwd=ROOT, env=env[k],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
-    out = [r.communicate(timeout=120) for r in ranks]
-    assert all(r.returncode == 0 for r in ranks), out
-    return out[0][0]
+    ranks = nodes.run_ranks([f"tests/{script}"], 29511, timeout=120, cwd=ROOT)
+    assert all(code == 0 for code, _, _ in ranks), ranks
+    return ranks[0][1]
 
 
 @needs_namespaces
