@@ -210,6 +210,14 @@ def CrossEntropyLoss_FlatView(outputs, labels, keep=HEAD_KEEP["chunked"]):
     return F.cross_entropy(outputs.view(-1, outputs.size(-1)), labels.view(-1))
 
 
+def fastest_head(device_type: str) -> str:
+    """The whole head that trains fastest on this kind of device (train.py's `--head auto`). On CPU cores the
+    chunked head (1.2x torch's on GPTlite small); on a GPU torch's: cuBLAS's one projection and the fused
+    cross-entropy kernel beat a Python loop of vocabulary blocks, 1.3-1.6x at GPT-2 small's shape in bf16 and 6-11x at
+    GPTlite small's on an H200 (docs/gpu.md); there the chunked forms' gain is memory (`recompute`: 0.07-0.18)."""
+    return "chunked" if device_type == "cpu" else "linear"
+
+
 def head_loss(head="chunked"):
     """The loss of GPTlite built with `head` (GPTliteConfig.head)."""
     if head == "recompute":

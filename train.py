@@ -71,11 +71,12 @@ def parse_args(argv=None):
                 "the schedule on the measured layers where they are measured (--partition-method profile, "
                 "--pipeline-schedule auto; the fastest predicted with the ranks' activation memory within 1.2x), "
                 "else balanced: the slices alone even in time and memory; even: even rows, nothing recomputed")
-    p.flag("--head", default="chunked", choices=["chunked", "recompute", "linear"],
+    p.flag("--head", default="auto", choices=["auto", "chunked", "recompute", "linear"],
            help="GPTlite's whole vocabulary head and loss: chunked (the projection inside the loss, a chunk of the "
-                "vocabulary at a time, the exponentials kept for the backward: exact, the fastest here), recompute "
+                "vocabulary at a time, the exponentials kept for the backward: exact, the fastest on CPU), recompute "
                 "(the same, the logits computed again in the backward: a block of them held at a time, the least "
-                "memory) or linear (nn.Linear and torch's cross-entropy)")
+                "memory) or linear (nn.Linear and torch's cross-entropy, the fastest on a GPU); auto: the fastest "
+                "where it runs")
     p.flag("--model", default="gptlite", choices=["gptlite", "deep"])
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
@@ -471,12 +472,22 @@ def post_validation_summary(engine):
             f"past, {engine.replays} replayed, {engine.skipped} skipped")
 
 
+def whole_head(args, device_type):
+    """--head auto resolved: the fastest whole head on this device (gptlite.fastest_head); a split head or another
+    model has no whole head to choose, and keeps the placeholder `chunked`."""
+    if args.head != "auto":
+        return args.head
+    import gptlite
+    return "chunked" if args.vocab_parallel or args.model != "gptlite" else gptlite.fastest_head(device_type)
+
+
 def main(argv=None):
     global PEERS
     args = parse_args(argv)
     world, rank = launch_env()
     from deepspeed.accelerator import get_accelerator
     on_cpu = get_accelerator().device_name() == "cpu"
+    args.head = whole_head(args, get_accelerator().device_name())
     dp = world // max(args.pipeline_parallel_size, 1)
     cfg = ds_config(args, dp)
     validate(args, cfg, world, on_cpu)

@@ -176,11 +176,12 @@ def _validate_vocab_parallel(args, need):
     need(layout == "auto" or args.vocab_parallel or args.pipeline_schedule == "auto",
          f"--vocab-layout {layout} lays out the slices of a split head: add --vocab-parallel, or drop --vocab-layout")
     head = getattr(args, "head", "chunked")
-    need(head == "chunked" or args.model == "gptlite", f"--head {head} chooses GPTlite's head: drop it for --model "
+    whole = head not in ("auto", "chunked")  # a head asked for by name (auto: train.py resolves it to chunked here)
+    need(not whole or args.model == "gptlite", f"--head {head} chooses GPTlite's head: drop it for --model "
          f"deep")
     if not args.vocab_parallel:
         return
-    need(head == "chunked", f"--head {head} keeps GPTlite's head whole, --vocab-parallel splits it into slices "
+    need(not whole, f"--head {head} keeps GPTlite's head whole, --vocab-parallel splits it into slices "
          f"(the chunked head's math): drop one of them")
     from schedules.registry import splitting_schedules
     pp, name = args.pipeline_parallel_size, args.pipeline_schedule

@@ -874,10 +874,10 @@ GPU = ["## On a GPU", "`python scripts/gpu_benchmark.py --require-gpu` (under 5 
            Receives are posted ahead only on gloo: NCCL runs a pair of ranks' sends and receives in posting order on
            one stream, where an early receive would hold up later sends."""),
        para("""
-           No GPU figures exist yet: no GPU has been available to this project, and the CUDA paths have only been
-           exercised on CPU (the dry run, and the multi-GPU glue with `--device cpu` in its place). Two device bugs
-           were found by reading them and fixed (the activation-shape message and the W pass's root gradients were
-           created on the CPU).""")]
+           Its first run, on one NVIDIA H200, is in [gpu.md](gpu.md): with one GPU only the per-stage part ran; the
+           multi-GPU glue has still only run with `--device cpu` in its place. Two device bugs were found earlier by
+           reading the code and fixed (the activation-shape message and the W pass's root gradients were created on
+           the CPU).""")]
 
 # benchmark_interlock's runs beside interlock.json, in the page's order (their names: published_name there)
 INTERLOCK_RUNS = ("interlock-clipping-off.json", "interlock-timed-p2-clipping-off.json", "interlock-timed-p4.json",

@@ -293,7 +293,8 @@ def main(argv=None):
         if time.perf_counter() > deadline:
             skipped.append(size)
             continue
-        cfg = replace(gptlite.MODEL_SIZES[size], block_size=args.block_size or gptlite.MODEL_SIZES[size].block_size)
+        cfg = replace(gptlite.MODEL_SIZES[size], block_size=args.block_size or gptlite.MODEL_SIZES[size].block_size,
+                      head=gptlite.fastest_head(device.type))  # the head train.py's --head auto runs here
         torch.manual_seed(0)
         model = gptlite.GPTlite(cfg)
         needed = {key for p in args.ranks for spec in schedules.values() for *_, key in chunks(spec, p, cfg.n_layer)}
@@ -308,7 +309,7 @@ def main(argv=None):
         r = sizes[size] = {"config": asdict(cfg), "p2p_latency_s": latency, "p2p_source": source, "stages": stages,
                            "description": f"{cfg.n_layer} blocks x C={cfg.n_embd}, {cfg.n_head} heads, "
                                           f"T={cfg.block_size}, V={cfg.vocab_size}, micro-batch "
-                                          f"{args.micro_batch_size}, bf16 weights on {device}"}
+                                          f"{args.micro_batch_size}, {cfg.head} head, bf16 weights on {device}"}
         if len(stages) < len(needed):
             r["skipped"] = f"time budget ran out after {len(stages)} of {len(needed)} stages"
         else:

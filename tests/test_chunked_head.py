@@ -177,3 +177,11 @@ def test_head_linear_with_a_split_head_is_refused_in_one_line(monkeypatch, capsy
              "--head", "linear"]
     status, stderr, _ = run_in_process(flags, monkeypatch, capsys, world=2, env={"HF_HUB_OFFLINE": "1"})
     assert_one_error_line(status, stderr, "--head linear")
+
+
+@pytest.mark.parametrize("flags, device, expected", [
+    ([], "cpu", "chunked"), ([], "cuda", "linear"), (["--head", "recompute"], "cuda", "recompute"),
+    (["--vocab-parallel", "--pipeline-parallel-size", "2"], "cuda", "chunked"), (["--model", "deep"], "cuda", "chunked")])
+def test_head_auto_is_the_fastest_whole_head_where_it_runs(flags, device, expected):
+    import train
+    assert train.whole_head(train.parse_args(flags), device) == expected
