@@ -14,7 +14,7 @@ import os
 
 from faults import Fault, UsageError, one_line
 from schedules.registry import schedule_spec
-from validation import layer_types
+from validation import layer_types, moe_config
 
 RUN_FILE = "run.json"  # in each checkpoint folder, written after every rank's files: a checkpoint is complete
 
@@ -39,7 +39,8 @@ def run_record(args, cfg, world):
              else {"model": "gptlite", "model_size": args.model_size, "layers": len(layer_types(args)),
                    # what older records lack is recorded only where it is not the default
                    **({"vocab_parallel": True} if pp and args.vocab_parallel else {}),
-                   **({"block_size": args.block_size} if getattr(args, "block_size", None) else {})})
+                   **({"block_size": args.block_size} if getattr(args, "block_size", None) else {}),
+                   **({"experts": _experts_of(args)} if getattr(args, "moe_experts", 0) else {})})
     chunks = getattr(schedule_spec(args.pipeline_schedule, args.virtual_stages).factory, "virtual_stages", None)
     return {"schedule": args.pipeline_schedule if pp else None, "virtual_stages": chunks if pp else None,
             "pipeline_parallel_size": pp, "data_parallel_size": world // max(pp, 1), "placement": placement(args),
@@ -47,8 +48,16 @@ def run_record(args, cfg, world):
             "zero_stage": cfg.get("zero_optimization", {}).get("stage", 0), "optimizer": cfg["optimizer"]["type"],
             "bf16": bool(cfg.get("bf16", {}).get("enabled", False)),
             "micro_batch_size": cfg["train_micro_batch_size_per_gpu"],
+            **({"expert_parallel_size": args.expert_parallel_size} if getattr(args, "moe_experts", 0) else {}),
             "gradient_accumulation_steps": cfg["gradient_accumulation_steps"],
             **({"vocab_rows": vocab_rows_of(args)} if model.get("vocab_parallel") else {})}
+
+
+def _experts_of(args):
+    """A Mixture of Experts' model (its expert-parallel size is layout, recorded apart)."""
+    experts = moe_config(args)
+    experts["moe_blocks"] = list(experts["moe_blocks"])
+    return {k: v for k, v in experts.items() if k != "expert_parallel_size"}
 
 
 def vocab_rows_of(args):
@@ -107,6 +116,9 @@ def check_resume(args, cfg, world):
     refusal = resume_refusal(saved, now)
     need(refusal is None, f"--resume: {folder} {refusal}")
     changes = layout_changes(saved, now)
+    need(not changes or "experts" not in saved["model"], f"--resume: {folder} holds a Mixture of Experts, whose "
+         f"experts' states do not move to another layout yet ({'; '.join(changes)}): resume with "
+         f"{_flags_of(saved)} and {saved['data_parallel_size']} data-parallel ranks")
     need(not changes or saved["zero_stage"] or saved.get("param_names"),
          f"--resume: {folder} was written at ZeRO 0 without its parameters' names, so it resumes only under "
          f"the layout that wrote it ({_flags_of(saved)}); resume there and save once, then change")
@@ -142,6 +154,14 @@ def _flags_of(record):
     return f"--pipeline-parallel-size {pp}" + (f" {_schedule_flags(record)}" if pp else "")
 
 
+def _experts_flags(experts):
+    if not experts:
+        return "a dense model (no --moe-experts)"
+    return (f"pass --moe-experts {experts['moe_experts']} --moe-blocks {','.join(map(str, experts['moe_blocks']))} "
+            f"--moe-top-k {experts['moe_top_k']} --moe-capacity-factor {experts['moe_capacity_factor']:g} "
+            f"--moe-aux-coef {experts['moe_aux_coef']:g}")
+
+
 def _unsplit_model(record):
     """The model a record describes, its head whole: a split head's slices are one layer."""
     model = dict(record["model"])
@@ -159,6 +179,9 @@ def resume_refusal(saved, now):
                  if want["model"] == "deep" else f"--model-size {want['model_size']} (with "
                  f"{_unsplit_model(saved)['layers']} layers, the head whole)"
                  + (f" --block-size {want['block_size']}" if want.get("block_size") else ""))
+        if _unsplit_model({**now, "model": {**now["model"], "experts": want.get("experts")}}) == \
+                _unsplit_model(saved):  # the experts alone differ
+            return f"holds another Mixture of Experts: {_experts_flags(want.get('experts'))}"
         return f"holds another model: pass {flags}"
     if now["optimizer"] != saved["optimizer"]:
         return (f"was trained with optimizer {saved['optimizer']}, this run uses {now['optimizer']}: pass "
@@ -193,6 +216,9 @@ def layout_changes(saved, now, cut=None):
         changes.append("--vocab-parallel " + ("on -> off" if saved["model"].get("vocab_parallel") else "off -> on"))
     if now["bf16"] != saved["bf16"]:
         changes.append("--bf16 " + ("on -> off" if saved["bf16"] else "off -> on"))
+    if now.get("expert_parallel_size", 1) != saved.get("expert_parallel_size", 1):
+        changes.append(f"--expert-parallel-size {saved.get('expert_parallel_size', 1)} -> "
+                       f"{now.get('expert_parallel_size', 1)}")
     if "vocab_rows" in now and saved["model"].get("vocab_parallel") and not changes:
         rows = saved.get("vocab_rows") or split_rows(saved["pipeline_parallel_size"], layout=False)
         if rows != now["vocab_rows"]:

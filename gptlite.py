@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
 from schedules.runtime.chunked_head import ChunkedHead, chunked_head_loss
+from schedules.runtime.moe import ExpertLayer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
 from schedules.runtime.vocab_parallel import VocabSlice, refusal, slice_layout, vocab_parallel_loss
 from schedules.runtime.weight_grad import Embedding, Linear  # whose weight gradients a W pass can defer
@@ -42,6 +43,15 @@ class GPTliteConfig:
     dropout: float = 0.0
     seed: int = 0            # layer i is initialised from seed LAYER_SEED_BASE + seed + i
     head: str = "chunked"    # the whole head: its projection in the loss ("chunked", "recompute"); "linear": logits
+    # Mixture of Experts (schedules/runtime/moe.py): the blocks in `moe_blocks` have `moe_experts` MLPs and a top-k
+    # gate instead of one MLP, sharded over `expert_parallel_size` data-parallel ranks of their stage
+    moe_experts: int = 0     # 0: no experts
+    moe_blocks: tuple = ()   # block indices (0-based) that carry experts
+    moe_top_k: int = 1
+    moe_capacity_factor: float = 1.0  # 0: no token dropped
+    moe_min_capacity: int = 4
+    moe_aux_coef: float = 0.01  # the load-balancing loss's weight
+    expert_parallel_size: int = 1
 
 
 MODEL_SIZES = {
@@ -101,18 +111,34 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+def _residual_init(proj: nn.Linear, config: GPTliteConfig):
+    nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))  # GPT-2's scaled init into the residual
 
-    def __init__(self, config: GPTliteConfig):
+
+def _expert(config: GPTliteConfig):
+    mlp = MLP(config)
+    _residual_init(mlp.proj, config)
+    return mlp
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); with `experts`, the MLP is a Mixture of
+    Experts of MLPs (ExpertLayer: DeepSpeed's top-k gate, the aux loss trained in place)."""
+
+    def __init__(self, config: GPTliteConfig, experts: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-        # GPT-2's scaled init of the projections into the residual stream
-        for proj in (self.attn.proj, self.mlp.proj):
-            nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * config.n_layer))
+        if experts:
+            self.mlp = ExpertLayer(config.n_embd, lambda e: _expert(config), config.moe_experts,
+                                   ep_size=config.expert_parallel_size, k=config.moe_top_k,
+                                   capacity_factor=config.moe_capacity_factor, min_capacity=config.moe_min_capacity,
+                                   aux_loss_coef=config.moe_aux_coef)
+        else:
+            self.mlp = MLP(config)
+        for proj in (self.attn.proj, ) + (() if experts else (self.mlp.proj, )):
+            _residual_init(proj, config)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -154,8 +180,9 @@ def layer_specs(config: GPTliteConfig, vocab_parts: int = 1, vocab_recompute: bo
     their backward and hold fewer rows, evening out the ranks' activation memory (`vocab_recompute=False`:
     even slices that keep their logits). `vocab_layout`: (rows, recompute) per slice instead, e.g. fitted to a
     schedule (schedules.planner.layout.fit_slices)."""
-    trunk = ([(EmbeddingsSum, (config, ))] + [(Block, (config, ))] * config.n_layer +
-             [(nn.LayerNorm, (config.n_embd, ))])
+    blocks = [(Block, (config, ) + ((True, ) if config.moe_experts and i in config.moe_blocks else ()))
+              for i in range(config.n_layer)]
+    trunk = [(EmbeddingsSum, (config, ))] + blocks + [(nn.LayerNorm, (config.n_embd, ))]
     if vocab_parts <= 1:
         return trunk + [(LinearLMHead if config.head == "linear" else LMHead, (config, ))]
     rows, recompute = vocab_layout or slice_layout(config.vocab_size, vocab_parts, recompute=vocab_recompute)

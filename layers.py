@@ -51,21 +51,26 @@ class SeededLayerSpec(LayerSpec):
         return build_layer(self.specs, self.index, self.seed)
 
 
-def layer_state_dict(layers, first_index: int = 0) -> dict:
-    """{f"{global_layer_index}.{param_name}": tensor} for modules in `layers` (others skipped)."""
+def layer_state_dict(layers, first_index: int = 0, experts_only: bool = False) -> dict:
+    """{f"{global_layer_index}.{param_name}": tensor} for modules in `layers` (others skipped); the experts of a
+    Mixture-of-Experts layer under their global index (schedules.runtime.moe.global_expert_name), so that
+    expert-parallel ranks' exports merge. `experts_only`: only those (the rest is another rank's to export)."""
+    from schedules.runtime.moe import global_expert_name, is_expert_name
     state = {}
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
             for name, tensor in layer.state_dict().items():
-                state[f"{first_index + i}.{name}"] = tensor.detach().cpu().clone()
+                if not experts_only or is_expert_name(name):
+                    state[f"{first_index + i}.{global_expert_name(layer, name)}"] = tensor.detach().cpu().clone()
     return state
 
 
-def pipe_layer_state_dict(module: PipelineModule) -> dict:
+def pipe_layer_state_dict(module: PipelineModule, experts_only: bool = False) -> dict:
     """The layer-indexed state of the layers this pipeline rank owns (all its chunks, if it has several)."""
     placement = getattr(module, 'placement', None)
     state = {}
     for c, (start, funcs) in enumerate(layer_runs(module)):
         mirror = placement is not None and placement.direction(c) == 1  # DualPipe's second copy of a stage
-        state.update({("mirror:" if mirror else "") + k: v for k, v in layer_state_dict(funcs, start).items()})
+        state.update({("mirror:" if mirror else "") + k: v
+                      for k, v in layer_state_dict(funcs, start, experts_only).items()})
     return state

@@ -81,6 +81,17 @@ def parse_args(argv=None):
     p.flag("--model-size", default="small", help="GPTlite size: tiny, small, medium, gpt2")
     p.flag("--n-layer", type=int, default=None, help="GPTlite: override the size's number of blocks")
     p.flag("--block-size", type=int, default=None, help="GPTlite: override the size's context length (tokens)")
+    p.flag("--moe-experts", type=int, default=0,
+           help="GPTlite as a Mixture of Experts: this many expert MLPs in each block of --moe-blocks, DeepSpeed's "
+                "top-k gate; 0 = dense")
+    p.flag("--moe-blocks", default="all", help="which blocks carry experts: all, every:N (blocks N-1, 2N-1, ...) "
+                                               "or indices, e.g. 1,3")
+    p.flag("--moe-top-k", type=int, default=1, choices=[1, 2], help="experts per token")
+    p.flag("--moe-capacity-factor", type=float, default=1.0,
+           help="tokens an expert takes per micro-batch, as a multiple of an even share; 0 = none dropped")
+    p.flag("--moe-aux-coef", type=float, default=0.01, help="weight of the gate's load-balancing loss")
+    p.flag("--expert-parallel-size", type=int, default=1,
+           help="shard each MoE block's experts over this many data-parallel ranks of its stage (all-to-all)")
     p.flag("--deep-width", type=int, default=256, help="deep model: width of each Linear")
     p.flag("--deep-depth", type=int, default=16, help="deep model: number of Linear+ReLU blocks")
     p.flag("--dropout", type=float, default=0.0)
@@ -246,6 +257,9 @@ def build_model(args):
             common["n_layer"] = args.n_layer
         if args.block_size:
             common["block_size"] = args.block_size
+        if args.moe_experts:
+            from validation import moe_config
+            common.update(moe_config(args))
         model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed, head=args.head,
                                   vocab_parallel=bool(pp and args.vocab_parallel),
                                   vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
@@ -262,10 +276,15 @@ def export_weights(engine, args, path: str):
     import torch.distributed as dist
 
     from layers import layer_state_dict, pipe_layer_state_dict
-    if args.pipeline_parallel_size:
-        mine = pipe_layer_state_dict(engine.module) if engine.grid.get_data_parallel_rank() == 0 else {}
+    # data-parallel rank 0 of each stage exports it; ranks 1 .. E-1 the experts only they hold (E: expert parallel)
+    dp_rank = engine.grid.get_data_parallel_rank() if args.pipeline_parallel_size else dist.get_rank()
+    ep = args.expert_parallel_size if args.moe_experts else 1
+    if dp_rank >= ep:
+        mine = {}
+    elif args.pipeline_parallel_size:
+        mine = pipe_layer_state_dict(engine.module, experts_only=dp_rank > 0)
     else:
-        mine = layer_state_dict(engine.module.to_layers()) if dist.get_rank() == 0 else {}
+        mine = layer_state_dict(engine.module.to_layers(), experts_only=dp_rank > 0)
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     if dist.get_rank() == 0:
@@ -400,11 +419,18 @@ def build_engine(args, cfg, model=None):
     (engine, criterion)."""
     import schedules
     model, criterion = build_model(args) if model is None else (model, None)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, scheduler = schedules.initialize(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
-                                                   trace=bool(args.trace), model=model,
-                                                   optimizer=build_optimizer(cfg, trainable),
-                                                   model_parameters=trainable, config=cfg)
+    from schedules.runtime.moe import moe_param_groups
+    trainable = moe_param_groups(p for p in model.parameters() if p.requires_grad)
+    from schedules.runtime.moe import ExpertPlacementError
+    try:
+        engine, _, _, scheduler = schedules.initialize(
+            schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages, trace=bool(args.trace), model=model,
+            optimizer=build_optimizer(cfg, trainable), model_parameters=trainable, config=cfg)
+    except ExpertPlacementError as e:
+        raise UsageError(f"--moe-blocks {args.moe_blocks} with --pipeline-schedule {args.pipeline_schedule} at "
+                         f"--pipeline-parallel-size {args.pipeline_parallel_size}: {e} ("
+                         + "--moe-blocks all, " * (args.moe_blocks != "all")
+                         + "--partition-method uniform or type:Block, or more --n-layer)") from None
     if getattr(scheduler, "last_batch_iteration", 0) < 0:  # DeepSpeed's schedulers start before iteration 0, at
         scheduler.step(0)  # learning rate 0, so the first step would not train: it trains at iteration 0's rate
     if hasattr(engine, "post_validation"):

@@ -54,6 +54,7 @@ def validate(args, cfg, world: int, on_cpu: bool):
         need(args.model_size in MODEL_SIZES,
              f"--model-size {args.model_size!r} is unknown: choose from {', '.join(MODEL_SIZES)}")
     _validate_config(cfg, pp, on_cpu, need)
+    _validate_experts(args, world // max(pp, 1), need)
     _validate_interlock(args, cfg, need)
     _validate_pipeline(args, cfg["gradient_accumulation_steps"], need)
     for flag, path in (("--metrics-file", args.metrics_file), ("--export", args.export), ("--trace", args.trace)):
@@ -144,11 +145,58 @@ def layer_types(args):
     return [spec[0].__name__ for spec in gptlite.layer_specs(config, vocab_parts=parts)]
 
 
+def moe_blocks(spec: str, n_layer: int) -> tuple:
+    """--moe-blocks as block indices: all, every:N or a comma list (validation.py refuses others)."""
+    if spec == "all":
+        return tuple(range(n_layer))
+    if spec.startswith("every:"):
+        n = int(spec[len("every:"):])
+        return tuple(range(n - 1, n_layer, n))
+    return tuple(sorted({int(i) for i in spec.split(",")}))
+
+
+def moe_config(args) -> dict:
+    """GPTliteConfig's Mixture-of-Experts fields from the flags."""
+    from gptlite import MODEL_SIZES
+    n_layer = args.n_layer or MODEL_SIZES[args.model_size].n_layer
+    return dict(moe_experts=args.moe_experts, moe_blocks=moe_blocks(args.moe_blocks, n_layer),
+                moe_top_k=args.moe_top_k, moe_capacity_factor=args.moe_capacity_factor,
+                moe_aux_coef=args.moe_aux_coef, expert_parallel_size=args.expert_parallel_size)
+
+
 def model_stages(args):
     """How many stages the pipeline cuts the model into: stages x chunks per rank (DualPipe: p)."""
     from schedules.registry import schedule_spec
     pp = args.pipeline_parallel_size
     return schedule_spec(args.pipeline_schedule, args.virtual_stages).placement(pp).num_stages if pp else 0
+
+
+def _validate_experts(args, dp, need):
+    """--moe-*, --expert-parallel-size: GPTlite's Mixture of Experts (schedules/runtime/moe.py)."""
+    n, ep = args.moe_experts, args.expert_parallel_size
+    need(n >= 0, f"--moe-experts {n}: pass the number of experts per MoE block (0: none)")
+    need(ep >= 1, f"--expert-parallel-size {ep} is below 1: pass --expert-parallel-size N with N >= 1")
+    if not n:
+        need(ep == 1, f"--expert-parallel-size {ep} shards experts: add --moe-experts N")
+        return
+    need(args.model == "gptlite", "--moe-experts gives GPTlite's blocks experts: drop it for --model deep")
+    need(n >= args.moe_top_k, f"--moe-top-k {args.moe_top_k} routes each token to that many of --moe-experts {n}: "
+         f"pass more experts or a smaller k")
+    need(args.moe_capacity_factor >= 0, f"--moe-capacity-factor {args.moe_capacity_factor}: pass a positive factor "
+         "(0: no token dropped)")
+    need(args.moe_aux_coef >= 0, f"--moe-aux-coef {args.moe_aux_coef}: pass a coefficient >= 0")
+    need(n % ep == 0, f"--expert-parallel-size {ep} must divide --moe-experts {n} (each rank holds n / E experts)")
+    need(dp % ep == 0, f"--expert-parallel-size {ep} shards experts over the data-parallel ranks of a stage, "
+         f"{dp} here: launch a multiple of {ep} data-parallel ranks, or pass a divisor of {dp}")
+    from gptlite import MODEL_SIZES
+    n_layer = args.n_layer or MODEL_SIZES[args.model_size].n_layer
+    spec, every = args.moe_blocks, re.fullmatch(r"every:(\d+)", args.moe_blocks)
+    listed = re.fullmatch(r"\d+(,\d+)*", spec) and max(map(int, spec.split(","))) < n_layer
+    need(spec == "all" or listed or (every and 1 <= int(every[1]) <= n_layer),
+         f"--moe-blocks {spec}: pass all, every:N (1 <= N <= {n_layer}) or block indices below {n_layer}, e.g. 0,2")
+    auto = args.pipeline_schedule == "auto" or (args.partition_method or "").lower() == "profile"
+    need(not auto, "--moe-experts: the profile (--pipeline-schedule auto, --partition-method profile) does not "
+         "measure experts yet: pass a schedule by name and a partition method")
 
 
 def _validate_auto(args, need):

@@ -122,7 +122,23 @@ def initialize(schedule="1f1b", model=None, optimizer=None, model_parameters=Non
     `virtual_stages` picks the chunks per rank of `interleaved` (the model must be built with the
     matching module: gptlite.get_model(..., pipe_module=schedules.pipe_module(schedule, virtual_stages))).
     `trace=True` builds the engine class wrapped by schedules.observe.trace.traced; set `engine.tracer`.
+    Mixture-of-Experts layers (ExpertLayer): their expert groups are made on every rank first (a layout where some
+    rank holds none is refused: ExpertPlacementError), and their aux loss's gradient scale comes from the engine,
+    the 1 / gradient-accumulation steps it scales the model's loss by.
     """
+    from deepspeed.pipe import PipelineModule
+
+    from schedules.runtime.moe import prepare_expert_groups, scale_aux_losses
+    prepare_expert_groups(model, model._topo.get_dim("pipe") if isinstance(model, PipelineModule) else 1)
+    if optimizer is None and model_parameters is not None:  # the config's optimizer: experts in groups of their own
+        from schedules.runtime.moe import moe_param_groups
+        model_parameters = moe_param_groups(model_parameters)
+    built = _initialize(schedule, model, optimizer, model_parameters, config, args, virtual_stages, trace, **kwargs)
+    scale_aux_losses(built[0].module, 1.0 / built[0].gradient_accumulation_steps())
+    return built
+
+
+def _initialize(schedule, model, optimizer, model_parameters, config, args, virtual_stages, trace, **kwargs):
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -274,6 +290,8 @@ def _report_deferral(engine, spec, layers, elements, total):
 _VOCAB_PARALLEL = ("VocabSlice", "vocab_parallel_loss", "with_labels", "merge_slices", "splitting_schedules")
 # The whole head and its loss in chunks of the vocabulary (schedules/runtime/chunked_head.py), likewise.
 _CHUNKED_HEAD = ("ChunkedHead", "chunked_head_loss", "linear_cross_entropy", "head_output")
+# Mixture-of-Experts layers (schedules/runtime/moe.py), likewise: they import DeepSpeed's MoE.
+_MOE = ("ExpertLayer", "moe_param_groups")
 
 
 def __getattr__(name):
@@ -283,4 +301,7 @@ def __getattr__(name):
     if name in _CHUNKED_HEAD:
         from schedules.runtime import chunked_head
         return getattr(chunked_head, name)
+    if name in _MOE:
+        from schedules.runtime import moe
+        return getattr(moe, name)
     raise AttributeError(f"module 'schedules' has no attribute {name!r}")

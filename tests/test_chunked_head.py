@@ -181,7 +181,8 @@ def test_head_linear_with_a_split_head_is_refused_in_one_line(monkeypatch, capsy
 
 @pytest.mark.parametrize("flags, device, expected", [
     ([], "cpu", "chunked"), ([], "cuda", "linear"), (["--head", "recompute"], "cuda", "recompute"),
-    (["--vocab-parallel", "--pipeline-parallel-size", "2"], "cuda", "chunked"), (["--model", "deep"], "cuda", "chunked")])
+    (["--vocab-parallel", "--pipeline-parallel-size", "2"], "cuda", "chunked"),
+    (["--model", "deep"], "cuda", "chunked")])
 def test_head_auto_is_the_fastest_whole_head_where_it_runs(flags, device, expected):
     import train
     assert train.whole_head(train.parse_args(flags), device) == expected

@@ -24,6 +24,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 import schedules
 from schedules.runtime import weight_grad
+from schedules.runtime.moe import scale_aux_losses
 from user_models import MICRO_BATCH, MODELS
 
 LR, SEED = 0.5, 1234
@@ -86,6 +87,8 @@ def train_reference(specs, loss_fn, batches, clip):
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     opt = torch.optim.SGD(params, lr=LR)
     losses, norms = [], []
+    for module in modules:  # the aux loss of expert layers, as the engine scales it: averaged over micro-batches
+        scale_aux_losses(module, 1.0 / len(batches[0]) if batches else 1.0)
     for step in batches[:2]:
         opt.zero_grad()
         total = 0.0
@@ -114,7 +117,8 @@ def build(name, args, p):
            "gradient_clipping": args.clip, "zero_optimization": {"stage": args.zero},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     params = [q for q in module.parameters() if q.requires_grad]
-    engine, *_ = schedules.initialize(name, model=module, optimizer=torch.optim.SGD(params, lr=LR),
+    optimizer = torch.optim.SGD(schedules.moe_param_groups(params), lr=LR)  # experts apart, as DeepSpeed wants
+    engine, *_ = schedules.initialize(name, model=module, optimizer=optimizer,
                                       model_parameters=params, config=cfg)
     return module, engine
 

@@ -4,7 +4,7 @@ LayerSpecs / TiedLayerSpecs, seeded by DeepSpeed (`seed_layers`), so every rank 
 reference build the same initial weights: plain nn.Linear layers (mlp), a tied input/output embedding
 (tied), the tied head and its loss computed together in chunks of the vocabulary (tied-chunked,
 schedules.chunked_head_loss), a tuple with an int64 mask between stages (masked), a sequence length that changes
-from one micro-batch to the next (dynamic), convolutions (conv).
+from one micro-batch to the next (dynamic), convolutions (conv), Mixture-of-Experts blocks (experts).
 """
 import torch
 import torch.nn as nn
@@ -120,6 +120,26 @@ def varying_token_batch(index):
     return tokens[:, :length], labels[:, :length]
 
 
+class ExpertBlock(nn.Module):
+    """x + a Mixture of Experts of small MLPs: the library's ExpertLayer (DeepSpeed's top-2 gate and experts),
+    its aux loss trained in place."""
+
+    def __init__(self, width):
+        super().__init__()
+        import schedules
+        self.moe = schedules.ExpertLayer(width, lambda e: nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                                                         nn.Linear(2 * width, width)),
+                                         num_experts=4, k=2, capacity_factor=0, aux_loss_coef=0.1)
+
+    def forward(self, x):
+        return x + self.moe(x)
+
+
+def experts():
+    """8 layers: a Linear, then Mixture-of-Experts blocks (every model stage of p = 2 x 2 chunks gets experts)."""
+    return [LayerSpec(nn.Linear, WIDTH, WIDTH)] + [LayerSpec(ExpertBlock, WIDTH) for _ in range(7)]
+
+
 def cross_entropy(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -131,4 +151,5 @@ MODELS = {  # name: (layers, loss, micro-batch of an index, PipelineModule argum
     "dynamic": (tied, cross_entropy, varying_token_batch, {"dynamic_shape": True}),
     "tied-chunked": (tied_chunked, chunked_loss, token_batch, {}),
     "conv": (conv, F.cross_entropy, image_batch, {}),
+    "experts": (experts, F.mse_loss, mlp_batch, {}),
 }

@@ -15,6 +15,7 @@
     pipe_module.py     LayerPipe: block-aligned activation checkpointing, balanced partitions
     chunked_module.py  ChunkedPipelineModule: several model chunks per rank
     vocab_parallel.py  VocabSlice: the vocabulary head split over the ranks as layers, its loss, labels riding
+    moe.py             ExpertLayer: DeepSpeed's Mixture of Experts, its aux loss trained where it is made
 
 `engine_class(spec)` and `pipe_module(spec)` turn a registry row's engine and module names into
 the classes that run it. The runtime never imports the simulator or the observation tools.

@@ -67,7 +67,9 @@ def head_slices(layer_specs):
 def local_names(module, layers=None):
     """{id(parameter): (name in the unsplit layer list, rows (start, stop) or None)} for the parameters
     this rank holds: a pipeline module's layers (every chunk, both mirrored copies) and tied modules,
-    or, with `layers`, a non-pipelined model's layer list (the order of the pipeline's layers)."""
+    or, with `layers`, a non-pipelined model's layer list (the order of the pipeline's layers); experts by their
+    global index (an expert-parallel rank holds some of them)."""
+    from schedules.runtime.moe import global_expert_name
     from schedules.runtime.pipe_module import layer_runs
     from schedules.runtime.vocab_parallel import is_vocab_slice
     if layers is not None:
@@ -82,7 +84,7 @@ def local_names(module, layers=None):
             if not isinstance(layer, torch.nn.Module):
                 continue  # a function, or a tied module's partial: named below
             for pname, p in layer.named_parameters():
-                name, part = canonical(f"{start + i}.{pname}", slices)
+                name, part = canonical(f"{start + i}.{global_expert_name(layer, pname)}", slices)
                 rows = (layer.start, layer.stop) if part is not None and is_vocab_slice(layer) else None
                 names.setdefault(id(p), (name, rows))
     return names

@@ -1,0 +1,122 @@
+"""GPTlite as a Mixture of Experts (schedules/runtime/moe.py, train.py --moe-experts): DeepSpeed's gate and experts,
+the aux loss trained where it is made, experts sharded over a stage's data-parallel ranks.
+
+In one process: the aux loss's attached gradient equals adding `coef x aux` to the loss; expert e starts from the
+same weights whichever rank holds it; exports name experts by their global index. Launched: two plain-SGD steps of
+every schedule equal the non-pipelined model's (losses and every weight within 1e-5), with experts sharded over 2
+data-parallel ranks too; a layout where a rank holds no experts, and a resume under another layout, are refused in
+one line.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from local_launch import launch
+from schedules.runtime import moe
+from training import TINY, assert_same_training, run_in_process, train, write_sgd_config
+
+MOE = ("--n-layer", "6", "--partition-method", "uniform", "--moe-experts", "4", "--moe-top-k", "2",
+       "--moe-capacity-factor", "0")
+
+
+def _layer(coef=0.1, seed=5):
+    torch.manual_seed(seed)
+    return moe.ExpertLayer(8, lambda e: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4,
+                           k=2, capacity_factor=0, aux_loss_coef=coef)
+
+
+def test_the_attached_aux_loss_trains_as_if_added_to_the_loss():
+    x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
+    layer = _layer()
+    layer.aux_scale = 0.25  # the engine's 1 / micro-batches
+    (layer(x).pow(2).mean() * 0.25).backward()
+    attached = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    explicit = _layer(coef=0.0)
+    out, aux, _ = explicit.moe(x)
+    ((out.pow(2).mean() + 0.1 * aux) * 0.25).backward()
+    plain = _layer(coef=0.0)
+    (plain(x).pow(2).mean() * 0.25).backward()
+    gate = "moe.deepspeed_moe.gate.wg.weight"
+    for name, p in explicit.named_parameters():
+        assert torch.allclose(attached[name], p.grad, atol=1e-7, rtol=0), name
+    moved = (attached[gate] - dict(plain.named_parameters())[gate].grad).abs().max().item()
+    assert moved > 1e-4  # the aux loss does reach the gate
+
+
+def test_each_expert_starts_the_same_whichever_rank_holds_it(monkeypatch):
+    whole = _layer()
+    experts = whole.moe.deepspeed_moe.experts.deepspeed_experts
+    assert not torch.equal(experts[0][0].weight, experts[1][0].weight)  # each its own weights
+    monkeypatch.setattr(moe, "expert_parallel_rank", lambda ep: 1)  # the second of 2 expert-parallel ranks
+    torch.manual_seed(5)
+    half = moe.ExpertLayer(8, lambda e: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4,
+                           ep_size=2, k=2, capacity_factor=0)
+    assert half.first_expert == 2
+    for local, expert in enumerate(half.moe.deepspeed_moe.experts.deepspeed_experts):
+        assert torch.equal(expert[0].weight, experts[2 + local][0].weight)
+    assert torch.equal(half.moe.deepspeed_moe.gate.wg.weight, whole.moe.deepspeed_moe.gate.wg.weight)
+    name = moe.EXPERTS_PREFIX + "1.0.weight"
+    assert moe.global_expert_name(half, name) == moe.EXPERTS_PREFIX + "3.0.weight"
+    assert moe.global_expert_name(half, "moe.deepspeed_moe.gate.wg.weight") == "moe.deepspeed_moe.gate.wg.weight"
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return write_sgd_config(tmp_path_factory.mktemp("moe") / "sgd.json")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, config):
+    return train(tmp_path_factory.mktemp("one"), 1, [*MOE, "--pipeline-parallel-size", "0"], config, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("flags", [
+    ["--pipeline-schedule", "1f1b"],
+    ["--pipeline-schedule", "zb-h1", "--activation-checkpoint-interval", "1"],
+    ["--pipeline-schedule", "zb-v", "--vocab-parallel"],
+    ["--pipeline-schedule", "interleaved"],
+    ["--pipeline-schedule", "dualpipev"],
+    ["--pipeline-schedule", "dualpipe"],
+    ["--pipeline-schedule", "dualpipev-deepspeed"],
+], ids=lambda f: " ".join(f[1:]))
+def test_every_schedule_trains_the_moe_model_as_one_process(flags, tmp_path, config, one_process):
+    result = train(tmp_path, 2, [*MOE, "--pipeline-parallel-size", "2", *flags], config, 4)
+    assert_same_training(result, one_process)
+    assert result[1][1] < result[1][0] - 0.1  # it did train
+
+
+@pytest.mark.multiprocess
+def test_experts_sharded_over_two_data_parallel_ranks(tmp_path, config):
+    """Expert-parallel 2 without a pipeline, with 1F1B and ZB-V over 2 stages of 2 replicas each: the same
+    training, and the same as every replica holding every expert (the experts' gradients scaled alike)."""
+    sharded = ["--expert-parallel-size", "2"]
+    reference = train(tmp_path / "ref", 2, [*MOE, "--pipeline-parallel-size", "0", *sharded], config, 8, dp=2)
+    whole = train(tmp_path / "whole", 2, [*MOE, "--pipeline-parallel-size", "0"], config, 8, dp=2)
+    assert_same_training(whole, reference)
+    for schedule in ("1f1b", "zb-v"):
+        result = train(tmp_path / schedule, 4, [*MOE, "--pipeline-parallel-size", "2", "--pipeline-schedule",
+                                                schedule, *sharded], config, 8, dp=2)
+        assert_same_training(result, reference)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_without_experts_is_refused_in_one_line():
+    """ZB-V at 2 ranks by parameters: rank 0 holds the embedding and the head only."""
+    run = launch(2, [*TINY, "--moe-experts", "4", "--pipeline-parallel-size", "2", "--pipeline-schedule", "zb-v",
+                     "--gradient-accumulation-steps", "4", "--steps", "1", "--dist-timeout", "60"], timeout=120)
+    assert set(run.returncodes) == {2}, run.explain()
+    lines = [line for line in run.stderr[0].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "rank 0 holds no layer with experts" in lines[0] and "--partition-method" in lines[0]
+
+
+@pytest.mark.multiprocess
+def test_resume_under_another_layout_is_refused_in_one_line(tmp_path, config, monkeypatch, capsys):
+    saved = tmp_path / "ckpt"
+    run = launch(2, [*TINY, *MOE, "--pipeline-parallel-size", "2", "--steps", "1", "--gradient-accumulation-steps",
+                     "4", "--save-dir", saved, "--deepspeed_config", config], timeout=120)
+    assert run.ok, run.explain()
+    status, stderr, _ = run_in_process([*TINY, *MOE, "--steps", "2", "--gradient-accumulation-steps", "4",
+                                        "--deepspeed_config", str(config), "--resume-from", str(saved),
+                                        "--save-dir", str(tmp_path / "other")], monkeypatch, capsys)
+    assert status == 2 and "Mixture of Experts" in stderr and "--pipeline-parallel-size 2" in stderr, stderr
