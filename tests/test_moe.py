@@ -120,3 +120,13 @@ def test_resume_under_another_layout_is_refused_in_one_line(tmp_path, config, mo
                                         "--deepspeed_config", str(config), "--resume-from", str(saved),
                                         "--save-dir", str(tmp_path / "other")], monkeypatch, capsys)
     assert status == 2 and "Mixture of Experts" in stderr and "--pipeline-parallel-size 2" in stderr, stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "dualpipe"])
+def test_four_stages_train_the_moe_model_as_one_process(schedule, tmp_path, config):
+    nine = [*MOE, "--n-layer", "9"]  # 12 layers cut uniformly: every stage, the last too, holds blocks with experts
+    reference = train(tmp_path / "ref", 1, [*nine, "--pipeline-parallel-size", "0"], config, 8)
+    result = train(tmp_path / "p4", 4, [*nine, "--pipeline-parallel-size", "4", "--pipeline-schedule", schedule],
+                   config, 8)
+    assert_same_training(result, reference)
