@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers import SeededLayerSpec, build_layer
+from schedules.runtime.moe import ExpertLayer
 from schedules.runtime.pipe_module import LayerPipe, run_layers
 from schedules.runtime.weight_grad import DeferredLinearGrad, Linear, defer_or_compute
 
@@ -27,6 +28,13 @@ class DeepConfig:
     depth: int = 16
     seed: int = 0
     pass_seconds: tuple = None  # (forward, input gradient, weight gradient) seconds per block: TimedBlock
+    # Mixture of Experts: the blocks in `moe_blocks` are DeepExpertBlocks (as GPTliteConfig's moe_* fields)
+    moe_experts: int = 0
+    moe_blocks: tuple = ()
+    moe_top_k: int = 1
+    moe_capacity_factor: float = 1.0
+    moe_aux_coef: float = 0.01
+    expert_parallel_size: int = 1
 
 
 class DeepBlock(nn.Module):
@@ -37,6 +45,21 @@ class DeepBlock(nn.Module):
 
     def forward(self, x):
         return F.relu(self.fc(x))
+
+
+class DeepExpertBlock(DeepBlock):
+    """A DeepBlock followed by a Mixture of Experts, as a transformer block's attention is by its MoE MLP: DeepSpeed's
+    top-k gate over `experts` Linear(width, width) + ReLU (an ExpertLayer). Each sample is a token: a micro-batch of
+    B samples sends B x width values per all-to-all, and the dense layer is what an overlapped pair computes while
+    the other pass's tokens are in flight (schedules/runtime/overlap.py)."""
+
+    def __init__(self, width: int, experts: int, k: int, capacity_factor: float, aux_coef: float, ep_size: int):
+        super().__init__(width)
+        self.experts = ExpertLayer(width, lambda e: nn.Sequential(nn.Linear(width, width), nn.ReLU()), experts,
+                                   ep_size=ep_size, k=k, capacity_factor=capacity_factor, aux_loss_coef=aux_coef)
+
+    def forward(self, x):
+        return self.experts(super().forward(x))
 
 
 class _TimedWeightGrad(DeferredLinearGrad):
@@ -92,7 +115,10 @@ class TimedBlock(DeepBlock):
 def layer_specs(config: DeepConfig):
     if config.pass_seconds:
         return [(TimedBlock, (config.width, config.pass_seconds))] * config.depth
-    return [(DeepBlock, (config.width, ))] * config.depth
+    experts = (DeepExpertBlock, (config.width, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
+                                 config.moe_aux_coef, config.expert_parallel_size))
+    return [experts if config.moe_experts and i in config.moe_blocks else (DeepBlock, (config.width, ))
+            for i in range(config.depth)]
 
 
 class DeepModel(nn.Module):
@@ -109,11 +135,12 @@ class DeepModel(nn.Module):
     def forward(self, x):
         def checkpoint(f, x):
             return torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
-        return run_layers(self.to_layers(), x, self.activation_checkpoint_interval, checkpoint, (DeepBlock, ))
+        return run_layers(self.to_layers(), x, self.activation_checkpoint_interval, checkpoint,
+                          DeepPipe.checkpointable)
 
 
 class DeepPipe(LayerPipe):
-    checkpointable = (DeepBlock, )
+    checkpointable = (DeepBlock, DeepExpertBlock)
 
 
 class DeepPipeSpec(DeepPipe):
@@ -135,8 +162,9 @@ def synthetic_micro_batch(index: int, batch_size: int, width: int, seed: int):
 
 def get_model(criterion=mse_loss, pipeline_num_stages=0, pipeline_spec_layers=False,
               activation_checkpoint_interval=0, width=256, depth=16, seed=0, partition_method="uniform",
-              pipe_module=None, partition_weights=None, pass_seconds=None):
-    config = DeepConfig(width=width, depth=depth, seed=seed, pass_seconds=pass_seconds)
+              pipe_module=None, partition_weights=None, pass_seconds=None, **moe):
+    """`moe`: DeepConfig's moe_* fields and expert_parallel_size (a Mixture of Experts)."""
+    config = DeepConfig(width=width, depth=depth, seed=seed, pass_seconds=pass_seconds, **moe)
     if not pipeline_num_stages:
         return DeepModel(config, activation_checkpoint_interval)
     pipe_kwargs = dict(num_stages=pipeline_num_stages, loss_fn=criterion, partition_method=partition_method,

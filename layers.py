@@ -67,10 +67,15 @@ def layer_state_dict(layers, first_index: int = 0, experts_only: bool = False) -
 
 def pipe_layer_state_dict(module: PipelineModule, experts_only: bool = False) -> dict:
     """The layer-indexed state of the layers this pipeline rank owns (all its chunks, if it has several)."""
-    placement = getattr(module, 'placement', None)
+    from schedules.runtime.moe import global_expert_name
+    placement = getattr(module, "placement", None)
     state = {}
     for c, (start, funcs) in enumerate(layer_runs(module)):
         mirror = placement is not None and placement.direction(c) == 1  # DualPipe's second copy of a stage
-        state.update({("mirror:" if mirror else "") + k: v
+        shared = {id(p) for layer in funcs if isinstance(layer, nn.Module) for p in layer.parameters()
+                  if getattr(p, 'shared_by_copies', False)}  # experts the copies share: this copy's own
+        owned = {f"{start + i}.{global_expert_name(layer, n)}" for i, layer in enumerate(funcs)
+                 if isinstance(layer, nn.Module) for n, p in layer.named_parameters() if id(p) in shared}
+        state.update({("mirror:" if mirror and k not in owned else "") + k: v
                       for k, v in layer_state_dict(funcs, start, experts_only).items()})
     return state

@@ -16,6 +16,7 @@ checkpoint file, checkpoints.py) and faults (a rank killed or stalled: exit stat
 through `Peers` (faults.py).
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -92,6 +93,13 @@ def parse_args(argv=None):
     p.flag("--moe-aux-coef", type=float, default=0.01, help="weight of the gate's load-balancing loss")
     p.flag("--expert-parallel-size", type=int, default=1,
            help="shard each MoE block's experts over this many data-parallel ranks of its stage (all-to-all)")
+    p.flag("--dualpipe-experts", default="duplicate", choices=["duplicate", "shard"],
+           help="dualpipe: the two copies of a stage (ranks r and p-1-r) each hold all its experts, their gradients "
+                "summed once a step (duplicate), or half of them each, exchanging tokens with an all-to-all in "
+                "every pass (shard: half the experts' bytes; the all-to-all overlaps with --overlap on)")
+    p.flag("--overlap", default="on", choices=["on", "off"],
+           help="dualpipe, dualpipev: each forward-backward pair computes one pass while the other's expert "
+                "all-to-all is in flight (off: one pass after the other)")
     p.flag("--deep-width", type=int, default=256, help="deep model: width of each Linear")
     p.flag("--deep-depth", type=int, default=16, help="deep model: number of Linear+ReLU blocks")
     p.flag("--dropout", type=float, default=0.0)
@@ -247,23 +255,28 @@ def build_model(args):
     pipe_module = schedules.pipe_module(args.pipeline_schedule, args.virtual_stages)
     if pp and pipe_module is not None:  # the schedule needs its own PipelineModule (several chunks per rank)
         common["pipe_module"] = pipe_module
+    from schedules.runtime.moe import shared_by_copies
+    from validation import experts_shared_by_copies, moe_config
+    if args.moe_experts:
+        common.update(moe_config(args))
+    # DualPipe's two copies of a stage hold half its experts each (--dualpipe-experts shard)
+    experts_shared = shared_by_copies(pp) if experts_shared_by_copies(args) else contextlib.nullcontext()
     try:
         if args.model == "deep":
             import deep_model
-            model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, seed=args.seed, **common)
+            with experts_shared:
+                model = deep_model.get_model(width=args.deep_width, depth=args.deep_depth, seed=args.seed, **common)
             return model, deep_model.mse_loss
         import gptlite
         if args.n_layer:
             common["n_layer"] = args.n_layer
         if args.block_size:
             common["block_size"] = args.block_size
-        if args.moe_experts:
-            from validation import moe_config
-            common.update(moe_config(args))
-        model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed, head=args.head,
-                                  vocab_parallel=bool(pp and args.vocab_parallel),
-                                  vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
-                                  vocab_layout=getattr(args, "vocab_fitted", None), **common)
+        with experts_shared:
+            model = gptlite.get_model(model_size=args.model_size, dropout=args.dropout, seed=args.seed,
+                                      head=args.head, vocab_parallel=bool(pp and args.vocab_parallel),
+                                      vocab_recompute=getattr(args, "vocab_layout", "auto") != "even",
+                                      vocab_layout=getattr(args, "vocab_fitted", None), **common)
         return model, gptlite.head_loss(args.head)
     except ValueError as e:  # e.g. a partition that leaves a model stage empty (every rank computes the same cut)
         raise UsageError(f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-parallel-size {pp}: {e}") \
@@ -435,6 +448,8 @@ def build_engine(args, cfg, model=None):
         scheduler.step(0)  # learning rate 0, so the first step would not train: it trains at iteration 0's rate
     if hasattr(engine, "post_validation"):
         engine.post_validation = args.post_validation
+    if hasattr(engine, "overlap_pairs"):
+        engine.overlap_pairs = args.overlap == "on"
     if args.save_dir:
         engine.checkpoint_engine = NamedFiles(engine.checkpoint_engine, args.save_dir)
     return engine, criterion

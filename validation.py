@@ -157,11 +157,24 @@ def moe_blocks(spec: str, n_layer: int) -> tuple:
 
 def moe_config(args) -> dict:
     """GPTliteConfig's Mixture-of-Experts fields from the flags."""
-    from gptlite import MODEL_SIZES
-    n_layer = args.n_layer or MODEL_SIZES[args.model_size].n_layer
+    n_layer = _blocks(args)
     return dict(moe_experts=args.moe_experts, moe_blocks=moe_blocks(args.moe_blocks, n_layer),
                 moe_top_k=args.moe_top_k, moe_capacity_factor=args.moe_capacity_factor,
                 moe_aux_coef=args.moe_aux_coef, expert_parallel_size=args.expert_parallel_size)
+
+
+def _blocks(args) -> int:
+    """The model's blocks, which --moe-blocks picks from."""
+    if args.model == "deep":
+        return args.deep_depth
+    from gptlite import MODEL_SIZES
+    return args.n_layer or MODEL_SIZES[args.model_size].n_layer
+
+
+def experts_shared_by_copies(args) -> bool:
+    """DualPipe's two copies of each stage hold half its experts each (--dualpipe-experts shard)."""
+    return bool(args.moe_experts and args.pipeline_parallel_size and args.pipeline_schedule == "dualpipe"
+                and args.dualpipe_experts == "shard")
 
 
 def model_stages(args):
@@ -179,7 +192,6 @@ def _validate_experts(args, dp, need):
     if not n:
         need(ep == 1, f"--expert-parallel-size {ep} shards experts: add --moe-experts N")
         return
-    need(args.model == "gptlite", "--moe-experts gives GPTlite's blocks experts: drop it for --model deep")
     need(n >= args.moe_top_k, f"--moe-top-k {args.moe_top_k} routes each token to that many of --moe-experts {n}: "
          f"pass more experts or a smaller k")
     need(args.moe_capacity_factor >= 0, f"--moe-capacity-factor {args.moe_capacity_factor}: pass a positive factor "
@@ -188,12 +200,20 @@ def _validate_experts(args, dp, need):
     need(n % ep == 0, f"--expert-parallel-size {ep} must divide --moe-experts {n} (each rank holds n / E experts)")
     need(dp % ep == 0, f"--expert-parallel-size {ep} shards experts over the data-parallel ranks of a stage, "
          f"{dp} here: launch a multiple of {ep} data-parallel ranks, or pass a divisor of {dp}")
-    from gptlite import MODEL_SIZES
-    n_layer = args.n_layer or MODEL_SIZES[args.model_size].n_layer
+    n_layer = _blocks(args)
     spec, every = args.moe_blocks, re.fullmatch(r"every:(\d+)", args.moe_blocks)
     listed = re.fullmatch(r"\d+(,\d+)*", spec) and max(map(int, spec.split(","))) < n_layer
     need(spec == "all" or listed or (every and 1 <= int(every[1]) <= n_layer),
          f"--moe-blocks {spec}: pass all, every:N (1 <= N <= {n_layer}) or block indices below {n_layer}, e.g. 0,2")
+    if experts_shared_by_copies(args):
+        need(ep == 1, f"--expert-parallel-size {ep} with dualpipe: its two copies of each stage already share the "
+             "experts (--dualpipe-experts shard): pass --expert-parallel-size 1, or --dualpipe-experts duplicate")
+        need(n % 2 == 0, f"--moe-experts {n} with dualpipe: its two copies of a stage hold half the experts each: "
+             "pass an even number, or --dualpipe-experts duplicate")
+        saving = "--save-dir" if args.save_dir else "--resume-from" if args.resume_from else None
+        need(not saving, f"{saving} with --dualpipe-experts shard: checkpoints of experts shared by DualPipe's copies "
+             "are not written yet: pass --dualpipe-experts duplicate (or --export the weights, which --init-from "
+             "loads under any layout)")
     auto = args.pipeline_schedule == "auto" or (args.partition_method or "").lower() == "profile"
     need(not auto, "--moe-experts: the profile (--pipeline-schedule auto, --partition-method profile) does not "
          "measure experts yet: pass a schedule by name and a partition method")

@@ -123,10 +123,54 @@ def test_resume_under_another_layout_is_refused_in_one_line(tmp_path, config, mo
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "dualpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "dualpipe --dualpipe-experts shard"])
 def test_four_stages_train_the_moe_model_as_one_process(schedule, tmp_path, config):
+    """DualPipe: ranks r and 3-r each hold half of the experts of stages r and 3-r, exchanging tokens."""
     nine = [*MOE, "--n-layer", "9"]  # 12 layers cut uniformly: every stage, the last too, holds blocks with experts
     reference = train(tmp_path / "ref", 1, [*nine, "--pipeline-parallel-size", "0"], config, 8)
-    result = train(tmp_path / "p4", 4, [*nine, "--pipeline-parallel-size", "4", "--pipeline-schedule", schedule],
-                   config, 8)
+    result = train(tmp_path / "p4", 4, [*nine, "--pipeline-parallel-size", "4", "--pipeline-schedule",
+                                        *schedule.split()], config, 8)
+    assert_same_training(result, reference)
+
+
+def _bitwise_equal(result, reference):
+    (losses, val, weights), (ref_losses, ref_val, ref_weights) = result, reference
+    assert losses == ref_losses and val == ref_val
+    assert weights.keys() == ref_weights.keys()
+    different = [name for name in weights if not torch.equal(weights[name], ref_weights[name])]
+    assert not different, f"differ: {different}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["dualpipe shared by copies", "dualpipev over replicas"])
+def test_overlapped_pairs_equal_sequential_pairs_bit_for_bit(layout, tmp_path, config):
+    """DualPipe's and DualPipeV's forward-backward pairs with the experts' all-to-alls in flight while the other
+    pass computes (schedules/runtime/overlap.py): the same losses and weights as the pairs run one pass after the
+    other, to the bit, and as no pipeline. DualPipe at 2 ranks: the two copies of each stage hold half its experts
+    each (--dualpipe-experts shard, the default); DualPipeV: 2 stages x 2 replicas, experts sharded over the
+    replicas."""
+    if layout.startswith("dualpipe "):
+        ranks, dp, flags = 2, 1, ["--pipeline-schedule", "dualpipe", "--dualpipe-experts", "shard"]
+    else:
+        ranks, dp, flags = 4, 2, ["--pipeline-schedule", "dualpipev", "--expert-parallel-size", "2"]
+    flags = [*MOE, "--pipeline-parallel-size", "2", *flags]
+    overlapped = train(tmp_path / "on", ranks, [*flags, "--overlap", "on"], config, 8, dp=dp)
+    sequential = train(tmp_path / "off", ranks, [*flags, "--overlap", "off"], config, 8, dp=dp)
+    _bitwise_equal(overlapped, sequential)
+    reference = train(tmp_path / "ref", dp, [*MOE, "--pipeline-parallel-size", "0",
+                                             *(["--expert-parallel-size", "2"] if dp > 1 else [])], config, 8, dp=dp)
+    assert_same_training(overlapped, reference)
+
+
+DEEP_MOE = ("--model", "deep", "--deep-width", "16", "--deep-depth", "4", "--micro-batch-size", "8",
+            "--moe-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "0")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipe --dualpipe-experts shard"])
+def test_the_moe_deep_model_trains_as_one_process(schedule, tmp_path, config):
+    """The deep model's blocks with experts (--model deep --moe-experts): ZB-H1; DualPipe's copies sharing them."""
+    reference = train(tmp_path / "ref", 1, ["--pipeline-parallel-size", "0"], config, 4, model=DEEP_MOE)
+    result = train(tmp_path / "p2", 2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", *schedule.split()],
+                   config, 4, model=DEEP_MOE)
     assert_same_training(result, reference)

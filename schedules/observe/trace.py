@@ -25,6 +25,7 @@ import time
 from schedules.instructions import P2P, PASS_KIND, ForwardBackwardPass, paired_kinds
 from schedules.placement import DualPipeVPlacement, StockPlacement
 from schedules.registry import available_schedules
+from schedules.runtime import overlap
 from schedules.simulator.simulate import simulate
 from schedules.simulator.timeline import Pass, Timeline
 
@@ -41,16 +42,24 @@ class Tracer:
         self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
         self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
         self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
+        self.comm = []  # (name, issued, resumed, done, iteration) of collectives inside passes (all-to-alls)
         self.iteration = 0
         self.active = False
         self._pair = 0
+        self._observing = False
 
     def start_iteration(self, iteration):
         self.iteration, self.active = iteration, True
         self._forwards, self._buffer_mb = {}, {}
+        if not self._observing:  # the experts' all-to-alls (schedules/runtime/overlap.py)
+            overlap.observe(self.record_comm)
+            self._observing = True
 
     def stop(self):
         self.active = False
+        if self._observing:
+            overlap.unobserve(self.record_comm)
+            self._observing = False
 
     def _micro_batch(self, kind, chunk, buffer_id):
         if kind == 'F':
@@ -78,6 +87,12 @@ class Tracer:
 
     def record_p2p(self, name, start, end):
         self.p2p.append((name, start - self.origin, end - self.origin, self.iteration))
+
+    def record_comm(self, name, issued, resumed, done):
+        """A collective inside a pass: in flight from `issued` to `done`, the rank waiting for it (exposed) from
+        `resumed` (overlap.observe)."""
+        if self.active:
+            self.comm.append((name, issued - self.origin, resumed - self.origin, done - self.origin, self.iteration))
 
     def record_other(self, name, start, end):
         self.other.append((name, start - self.origin, end - self.origin, self.iteration))
@@ -112,21 +127,28 @@ def _wrap(instr_type, handler):
         return out
 
     def traced_pair(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
-        # ChunkedEngine's paired unit, timed part by part (a later overlap would time it as one)
+        # ChunkedEngine's paired unit, timed part by part: one after the other, or overlapped (their spans then
+        # overlap: each runs from its start to its end, the other's computation in between)
         tracer = self.tracer
         if tracer is None or not tracer.active:
             return handler(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
         pair = tracer.next_pair()
-        m0 = tracer.live_bytes()
-        t0 = tracer.now()
-        self._run_forward(fwd_buffer, fwd_chunk)
-        t1 = tracer.now()
-        m1 = tracer.live_bytes()
-        (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
-        t2 = tracer.now()
+        spans = {}
+
+        def timed(part, run):
+            def timed_run():
+                live, start = tracer.live_bytes(), tracer.now()
+                run()
+                spans[part] = (start, tracer.now(), live, tracer.live_bytes())
+            return timed_run
+
+        forward, backward = self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
+        self._run_pair(timed('F', forward), timed('B', backward))
         fwd_kind, bwd_kind = paired_kinds(fused)
-        tracer.record(fwd_kind, fwd_chunk, fwd_buffer, t0, t1, pair, live=(m0, m1))
-        tracer.record(bwd_kind, bwd_chunk, bwd_buffer, t1, t2, pair, live=(m1, tracer.live_bytes()))
+        for (kind, chunk, buffer_id), (start, end, m0, m1) in sorted(
+                zip(((fwd_kind, fwd_chunk, fwd_buffer), (bwd_kind, bwd_chunk, bwd_buffer)), (spans['F'], spans['B'])),
+                key=lambda item: item[1][0]):  # in the order they started, as the memory samples go
+            tracer.record(kind, chunk, buffer_id, start, end, pair, live=(m0, m1))
 
     return traced_pair if instr_type is ForwardBackwardPass else traced_handler
 
@@ -152,7 +174,7 @@ def write_chrome_trace(tracers, path, meta):
     events = []
     for t in tracers:
         events.append({"name": "process_name", "ph": "M", "pid": t.rank, "args": {"name": f"rank {t.rank}"}})
-        for tid, name in ((0, "compute"), (1, "p2p"), (2, "other")):
+        for tid, name in ((0, "compute"), (1, "p2p"), (2, "other"), (3, "in flight"), (4, "exposed")):
             events.append({"name": "thread_name", "ph": "M", "pid": t.rank, "tid": tid, "args": {"name": name}})
         for p in t.passes:
             label = f"{p.kind}{p.micro_batch}" + (f" c{p.chunk}" if t.placement.chunks > 1 else "")
@@ -170,6 +192,11 @@ def write_chrome_trace(tracers, path, meta):
             for name, start, end, iteration in records:
                 events.append({"name": name, "cat": cat, "ph": "X", "pid": t.rank, "tid": tid, "ts": start * 1e6,
                                "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
+        for name, issued, resumed, done, iteration in t.comm:  # a pass's collectives: in flight, and waited for
+            for tid, start in ((3, issued), (4, resumed)):
+                events.append({"name": name, "cat": "comm" if tid == 3 else "exposed", "ph": "X", "pid": t.rank,
+                               "tid": tid, "ts": start * 1e6, "dur": (done - start) * 1e6,
+                               "args": {"iteration": iteration}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
 
@@ -245,13 +272,29 @@ def load_chrome_trace(path):
             key = (rank, e["args"]["iteration"])
             p2p[key] = p2p.get(key, 0.0) + e["dur"] / 1e6
             continue
-        if e["cat"] == "other":  # loads, gradient reduction, optimizer step: not passes
+        if e["cat"] in ("other", "comm", "exposed"):  # loads, reduction, step; collectives inside passes
             continue
         a = e["args"]
         ranks.setdefault(rank, []).append(Pass(a["kind"], a["stage"], a["chunk"], a["micro_batch"], e["ts"] / 1e6,
                                                (e["ts"] + e["dur"]) / 1e6, a["direction"], a["pair"], a["iteration"]))
     rows = [sorted(ranks.get(r, []), key=lambda p: p.start) for r in range(max(ranks) + 1 if ranks else 0)]
     return Timeline(rows, 's', dict(data.get("otherData", {}))), p2p
+
+
+def exposed_communication(path):
+    """{rank: seconds per traced step that it waited for collectives inside its passes (the experts' all-to-alls), and
+    that those were in flight} of a trace file: {rank: (exposed, in_flight)}."""
+    with open(path) as f:
+        data = json.load(f)
+    totals, steps = {}, {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") in ("comm", "exposed"):
+            exposed, flight = totals.get(e["pid"], (0.0, 0.0))
+            seconds = e["dur"] / 1e6
+            totals[e["pid"]] = (exposed + seconds, flight) if e["cat"] == "exposed" else (exposed, flight + seconds)
+            steps.setdefault(e["pid"], set()).add(e["args"]["iteration"])
+    return {rank: (exposed / len(steps[rank]), flight / len(steps[rank]))
+            for rank, (exposed, flight) in totals.items()}
 
 
 def peak_saved_bytes(path):

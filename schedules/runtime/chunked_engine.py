@@ -13,22 +13,28 @@ instruction here also names its `chunk`, and the engine:
   turn of the V placement at the last rank);
 - gives each direction of the mirror placement its own half of the step's micro-batches.
 """
+import threading
 from collections import Counter
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds
 
 from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
-from schedules.runtime import messages
+from schedules.runtime import messages, overlap
+from schedules.runtime.moe import expert_layers
 from schedules.runtime.split_engine import SplitBackwardEngine
 
 
 class ChunkedEngine(SplitBackwardEngine):
+    overlap_pairs = True  # a ForwardBackwardPass overlaps its passes' all-to-alls where it has any (overlaps_pairs)
 
     def __init__(self, *args, **kwargs):
+        self._passes = threading.local()  # the active chunk, per thread: an overlapped pair runs two passes at once
         self._chunk = None  # no chunk active: is_first/last_stage() answer for the rank
+        self._overlapping = None
         self._ready = False  # PipelineEngine.__init__ warms p2p up by rank, as if each held one stage
         super().__init__(*args, **kwargs)
         self._ready = True
@@ -44,6 +50,14 @@ class ChunkedEngine(SplitBackwardEngine):
             self._mirror_group, self._loss_group = self._mirror_groups()
 
     # --- which stage is active ------------------------------------------------------------
+    @property
+    def _chunk(self):
+        return getattr(self._passes, 'chunk', None)
+
+    @_chunk.setter
+    def _chunk(self, chunk):
+        self._passes.chunk = chunk
+
     @contextmanager
     def _in_chunk(self, chunk):
         self._chunk = chunk
@@ -141,9 +155,26 @@ class ChunkedEngine(SplitBackwardEngine):
         self._run_backward_input(buffer_id, chunk, fused=True)
 
     def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
-        # One after the other today; the unit is where overlapping the two (DualPipe) would go.
-        self._run_forward(fwd_buffer, fwd_chunk)
-        (self._run_backward if fused else self._run_backward_input)(bwd_buffer, bwd_chunk)
+        self._run_pair(*self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused))
+
+    def _pair_parts(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
+        """A ForwardBackwardPass's two passes: (forward, backward), each a function of no argument."""
+        return (partial(self._run_forward, fwd_buffer, fwd_chunk),
+                partial(self._run_backward if fused else self._run_backward_input, bwd_buffer, bwd_chunk))
+
+    def _run_pair(self, forward, backward):
+        if self.overlaps_pairs():  # the backward starts; each computes while the other's all-to-all is in flight
+            overlap.run_pair(backward, forward)
+        else:
+            forward()
+            backward()
+
+    def overlaps_pairs(self):
+        """Whether a ForwardBackwardPass runs its two passes overlapped (overlap.py): where `overlap_pairs` is on
+        and the module exchanges something in its passes (layers with experts sharded over several ranks)."""
+        if self._overlapping is None:
+            self._overlapping = self.overlap_pairs and any(layer.exchanges() for layer in expert_layers(self.module))
+        return self._overlapping
 
     # --- the mirror placement: two copies of each stage, two loss ranks --------------------------
     def _mirror_groups(self):
@@ -177,8 +208,9 @@ class ChunkedEngine(SplitBackwardEngine):
             chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
             # tied parameters: DeepSpeed's ReduceTiedGrads already summed them over every rank that holds a copy
             tied = self.module.tied_parameter_ids()
+            # experts the copies share (moe.shared_by_copies) are no copy of the other rank's: each holds its own
             params = [p for c in chunks for p in self.module.chunk_parameters(c)
-                      if p.requires_grad and id(p) not in tied]
+                      if p.requires_grad and id(p) not in tied and not getattr(p, 'shared_by_copies', False)]
             grads = [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
             flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
                               for p, g in zip(params, grads)])

@@ -22,6 +22,7 @@ Activation checkpointing follows DeepSpeed's rules (`checkpointable_layers`, els
 parameters) per chunk, unless the model asks for block-aligned groups (`checkpointable`).
 """
 import functools
+import threading
 
 import torch.nn as nn
 from deepspeed.pipe import TiedLayerSpec
@@ -29,7 +30,39 @@ from deepspeed.pipe import TiedLayerSpec
 from schedules.runtime.pipe_module import LayerPipe
 
 
+class _PerThread:
+    """A module attribute that each thread sets for itself: an overlapped pair (schedules/runtime/overlap.py) runs
+    two chunks' passes at once, one per thread, and an activation-checkpointed backward reads its chunk's layers
+    (`forward_funcs`) when it recomputes them, after the other thread activated its own. A thread that has set none
+    reads what was set last by any."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        mine = module.__dict__.get('_per_thread')
+        try:
+            return getattr(mine, self.name)
+        except AttributeError:
+            try:
+                return module.__dict__['_last_set'][self.name]
+            except KeyError:
+                raise AttributeError(self.name) from None
+
+    def __set__(self, module, value):
+        setattr(module.__dict__.setdefault('_per_thread', threading.local()), self.name, value)
+        module.__dict__.setdefault('_last_set', {})[self.name] = value
+
+
 class ChunkedPipelineModule(LayerPipe):
+    # what activate_chunk sets (and DeepSpeed's forward and checkpointing read), per thread
+    active_chunk = _PerThread()
+    forward_funcs = _PerThread()
+    is_checkpointable_results = _PerThread()
+    _local_start = _PerThread()
+    _local_stop = _PerThread()
 
     def __init__(self, layers, placement, **kwargs):
         self._placement_cls = placement
@@ -82,7 +115,7 @@ class ChunkedPipelineModule(LayerPipe):
             if self.placement.direction(c) == 1:  # the mirror's second copy (tied modules: DeepSpeed marks them)
                 tied = self.tied_parameter_ids()
                 for p in self.chunk_parameters(c):
-                    if id(p) not in tied:
+                    if id(p) not in tied and not getattr(p, 'shared_by_copies', False):  # experts the copies share
                         p.ds_pipe_replicated = True
         self.chunk_checkpointable = [[] for _ in self.chunk_funcs]
         self.activate_chunk(0)

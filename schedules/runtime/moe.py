@@ -18,8 +18,12 @@ made, its experts sharded over the data-parallel ranks of one stage.
   multiplies the model's loss by before its backward (1 / gradient-accumulation steps); schedules.initialize
   sets it.
 """
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
+
+from schedules.runtime.overlap import exchange
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -58,7 +62,8 @@ def prepare_expert_groups(model, pp_size: int):
     if not dist.is_initialized():
         return
     layers = expert_layers(model)
-    mine = torch.tensor([len(layers), max((layer.moe.ep_size for layer in layers), default=0)], dtype=torch.long)
+    mine = torch.tensor([len(layers), max((layer.moe.ep_size for layer in layers), default=0),
+                         max((layer.copies for layer in layers), default=0)], dtype=torch.long)
     ranks = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(ranks, mine)
     holders = [r for r, t in enumerate(ranks) if t[0]]
@@ -74,6 +79,12 @@ def prepare_expert_groups(model, pp_size: int):
     if len(sizes) > 1:
         raise ExpertPlacementError(f"expert layers of expert-parallel sizes {sizes}: give them all one size")
     create_expert_groups(sizes[0], pp_size)
+    if len({int(t[2]) for t in ranks}) > 1:
+        raise ExpertPlacementError("some ranks' experts are shared by their stage's copies, others' not")
+    if any(layer.copies > 1 for layer in layers):
+        group = copies_groups(pp_size)
+        for layer in layers:
+            layer.exchange_group = group
 
 
 def create_expert_groups(ep_size: int, pp_size: int):
@@ -82,6 +93,50 @@ def create_expert_groups(ep_size: int, pp_size: int):
     from deepspeed.utils import groups
     if f"ep_size_{ep_size}" not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size, pp_size=max(pp_size, 1))
+
+
+_shared_by_copies = (0, 1)  # (this rank's copy, copies of each stage): see shared_by_copies
+
+
+@contextmanager
+def shared_by_copies(pipeline_parallel_size: int):
+    """While building a model for DualPipe's mirror placement, where ranks r and p-1-r each hold a copy of stage r:
+    each ExpertLayer built holds half its experts (rank r the first half of stage r's and of stage p-1-r's, rank
+    p-1-r the second), and the two copies of a stage exchange their tokens (all-to-all) instead of each holding every
+    expert. The two copies run mirror images of one order, so they reach each layer's all-to-all together."""
+    global _shared_by_copies
+    import torch.distributed as dist
+    p = pipeline_parallel_size
+    stage = dist.get_rank() // (dist.get_world_size() // p)  # a stage's data-parallel replicas are consecutive
+    saved, _shared_by_copies = _shared_by_copies, (int(stage > p - 1 - stage), 2)
+    try:
+        yield
+    finally:
+        _shared_by_copies = saved
+
+
+def copies_groups(pipeline_parallel_size: int):
+    """The group {rank r, rank p-1-r} of each replica, made on every rank in the same order; this rank's."""
+    import torch.distributed as dist
+    p, world = pipeline_parallel_size, dist.get_world_size()
+    dp = world // p
+    mine = None
+    for replica in range(dp):
+        for r in range(p // 2):
+            ranks = [r * dp + replica, (p - 1 - r) * dp + replica]
+            group = dist.new_group(ranks, timeout=_default_timeout())
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
+
+
+def _default_timeout():
+    """The default group's timeout (train.py's --dist-timeout): a new group otherwise gets torch's 30 minutes."""
+    import torch.distributed as dist
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class ExpertLayer(nn.Module):
@@ -94,10 +149,17 @@ class ExpertLayer(nn.Module):
                  aux_loss_coef=0.01, eval_capacity_factor=None):
         super().__init__()
         from deepspeed.moe.layer import MoE
-        if num_experts % ep_size:
-            raise ValueError(f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks")
-        local = num_experts // ep_size
-        first = expert_parallel_rank(ep_size) * local
+        copy, self.copies = _shared_by_copies
+        if self.copies > 1 and ep_size > 1:
+            raise ValueError("experts shared by a stage's copies cannot also be sharded over its data-parallel ranks: "
+                             "pass --expert-parallel-size 1 (or --dualpipe-experts duplicate)")
+        shards = ep_size * self.copies
+        if num_experts % shards:
+            raise ValueError(f"{num_experts} experts cannot be split over {shards} "
+                             + ("expert-parallel ranks" if ep_size > 1 else "copies of the stage"))
+        local = num_experts // shards
+        first = (expert_parallel_rank(ep_size) if ep_size > 1 else copy) * local
+        self.exchange_group = None  # the copies' group (prepare_expert_groups), where they share the experts
         base = torch.initial_seed()  # the caller's seed (a seeded layer's), drawn from for each expert
         experts = []
         for e in range(first, first + local):
@@ -110,18 +172,57 @@ class ExpertLayer(nn.Module):
                        capacity_factor=factor, eval_capacity_factor=eval_capacity_factor or factor,
                        min_capacity=min_capacity, drop_tokens=drop, use_rts=False, noisy_gate_policy=None,
                        top2_2nd_expert_sampling=False)
-        for copy, expert in zip(self.moe.deepspeed_moe.experts.deepspeed_experts, experts):
-            copy.load_state_dict(expert.state_dict())  # DeepSpeed deep-copies one expert; each gets its own weights
+        held = self.moe.deepspeed_moe.experts
+        if self.copies > 1:  # DeepSpeed sees no expert parallelism (its groups are of data-parallel ranks): keep ours
+            held.deepspeed_experts = nn.ModuleList(list(held.deepspeed_experts)[:local])
+            held.num_local_experts = self.moe.deepspeed_moe.num_local_experts = local
+            for param in held.parameters():
+                param.shared_by_copies = True  # not a copy of the other rank's: summed with none, counted once
+        for built, expert in zip(held.deepspeed_experts, experts):
+            built.load_state_dict(expert.state_dict())  # DeepSpeed deep-copies one expert; each gets its own weights
         self.first_expert = first  # this rank's experts are first .. first + local - 1 of num_experts
         self.aux_loss_coef, self.aux_scale = aux_loss_coef, 1.0
         self.last_aux_loss = None
 
+    def exchanges(self) -> bool:
+        """Whether its passes send tokens to other ranks (all-to-all): experts sharded over several."""
+        return self.copies > 1 or self.moe.deepspeed_moe.ep_size > 1
+
     def forward(self, x):
-        out, aux, _ = self.moe(x)
+        out, aux = self._route(x)
         self.last_aux_loss = aux.detach()
         if self.aux_loss_coef and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out
+
+
+    def _route(self, x):
+        """DeepSpeed's MOELayer.forward (0.19.8; no tensor parallelism, no Tutel) with its gate, encoding, experts and
+        decoding, its two all-to-alls through `overlap.exchange`: the same arithmetic, but an overlapped pair
+        (schedules/runtime/overlap.py) computes its other pass while either is in flight. (output, aux loss)."""
+        from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+        layer = self.moe.deepspeed_moe
+        group, ranks = (layer.ep_group, layer.ep_size) if self.copies == 1 else (self.exchange_group, self.copies)
+        if self.copies > 1:
+            if group is None:
+                raise RuntimeError("an ExpertLayer shared by a stage's copies has no group: build the engine with "
+                                   "schedules.initialize")
+            layer.gate.ep_group = group  # its capacity (no token dropped: the largest load) is the copies' largest
+        width = x.shape[-1]
+        tokens = x.reshape(-1, width)
+        aux, capacity, experts, indices, locations, gates, layer.exp_counts = layer.gate(tokens, None, True, False)
+        capacity = int(capacity)
+        slots = _route_slots(indices, locations, experts, capacity)
+        dispatched = _sparse_encode(tokens, slots, experts, capacity)
+        if ranks > 1:  # dispatch: each rank's tokens to the ranks holding their experts
+            dispatched = exchange(dispatched, group)
+        dispatched = dispatched.contiguous().reshape(ranks, layer.num_local_experts, -1, width)
+        out = layer.experts(dispatched).reshape(ranks * layer.num_local_experts, -1, width)
+        if ranks > 1:  # combine: the experts' outputs back to their tokens' ranks
+            out = exchange(out, group)
+        layer.l_aux = aux
+        combined = _sparse_decode(out.contiguous().view(experts * capacity, width), slots, gates, tokens.size(0))
+        return combined.reshape(x.shape), aux
 
 
 EXPERTS_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."  # an ExpertLayer's experts, by local index

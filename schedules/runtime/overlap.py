@@ -1,0 +1,136 @@
+"""Two passes of one rank that take turns at their communication: DualPipe's overlapped forward-backward pair.
+
+`run_pair(first, second)` runs two passes (the backward of one micro-batch and the forward of another) as one
+unit: `first` in a worker thread, `second` in the calling thread, and only one of them computes at any moment.
+Each hands the other the turn when it has started a collective and has nothing to compute until it ends
+(`exchange`: the experts' all-to-all, dispatch and combine, forward and backward), so the other's computation
+fills the time the link takes: DeepSeek-V3's overlap (report, Sec. 3.2.1), where one micro-batch's attention
+and MLP run while the other's dispatch or combine is in flight. Per Mixture-of-Experts layer and pair:
+
+    communication:  combine_bwd  | dispatch_fwd  | dispatch_bwd | combine_fwd  | ...
+    computation:    attn+gate_fwd | experts_bwd  | experts_fwd  | attn_bwd     | ...
+
+Why turns and not two threads computing at once: the arithmetic is the same as one pass after the other (each pass
+runs its own operations in its own order, on its own micro-batch), so an overlapped pair gives bit for bit the
+sequential pair's results; and every rank issues its collectives in the same order (the turns alternate at each
+collective, the same way on every rank of a group that runs the same stream), which gloo and NCCL need.
+
+Outside a pair, `exchange` waits for its collective at once. A pass with no collective runs through in one turn:
+the pair is then the two passes one after the other, `first` first.
+"""
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+_local = threading.local()  # .turns, .me: the pair this thread's pass belongs to, and which of its two it is
+
+
+class _Turns:
+    """Which of two parties may compute; a party that has ended gives the turn up for good."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._ended = [False, False]
+
+    def wait(self, me):
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == me or self._ended[1 - me])
+
+    def hand_over(self, me):
+        """Give the other party the turn (if it is still running) and wait until it is ours again."""
+        with self._cond:
+            if not self._ended[1 - me]:
+                self._turn = 1 - me
+                self._cond.notify_all()
+        self.wait(me)
+
+    def end(self, me):
+        with self._cond:
+            self._ended[me] = True
+            self._turn = 1 - me
+            self._cond.notify_all()
+
+
+def run_pair(first, second):
+    """`first()` and `second()` as one unit, taking turns at their collectives (see the module docstring); `first`
+    starts. An exception in either is raised here once both have ended."""
+    turns = _Turns()
+    failure = []
+
+    def party(me, fn):
+        _local.turns, _local.me = turns, me
+        try:
+            turns.wait(me)
+            fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            failure.append(e)
+        finally:
+            _local.turns = None
+            turns.end(me)
+
+    worker = threading.Thread(target=party, args=(0, first), name="overlapped-pass", daemon=True)
+    worker.start()
+    party(1, second)
+    worker.join()
+    if failure:
+        raise failure[0]
+
+
+def in_pair():
+    return getattr(_local, 'turns', None) is not None
+
+
+_observers = []  # called with (name, issued, resumed, done) clock readings of each exchange (the tracer)
+
+
+def observe(observer):
+    """`observer(name, issued, resumed, done)` after every collective waited for here: when it was issued, when this
+    pass had the turn again (from then on the rank waited for it: exposed), and when it was done."""
+    _observers.append(observer)
+
+
+def unobserve(observer):
+    _observers.remove(observer)
+
+
+def wait_for(work, name="all-to-all", issued=None):
+    """Wait for `work` (an asynchronous collective); inside a pair, the other pass computes meanwhile."""
+    turns = getattr(_local, 'turns', None)
+    if turns is not None:
+        turns.hand_over(_local.me)
+    resumed = time.perf_counter() if _observers else None
+    work.wait()
+    if _observers:
+        done = time.perf_counter()
+        for observer in _observers:
+            observer(name, resumed if issued is None else issued, resumed, done)
+
+
+def all_to_all(x, group):
+    """`torch.distributed.all_to_all_single` of `x` over `group` (equal splits), asynchronous: `wait_for` it."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    issued = time.perf_counter() if _observers else None
+    wait_for(dist.all_to_all_single(out, x, group=group, async_op=True), issued=issued)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all of equal splits whose backward is the same all-to-all of the gradient (DeepSpeed's _AllToAll),
+    both through `all_to_all`, so that an overlapped pair hands the turn over while either is in flight."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        return all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, all_to_all(grad, ctx.group)
+
+
+def exchange(x, group):
+    return _Exchange.apply(group, x)

@@ -1,0 +1,169 @@
+"""What overlapping DualPipe's forward-backward pairs gains when the experts' all-to-all crosses a slow link: two
+emulated nodes (emulated_nodes.py), one rank each (one per core), DualPipe at 2 ranks with the MoE deep model (and
+the MoE GPTlite with --models), its two copies of each stage holding half the experts each, so every micro-batch's
+dispatch and combine go over the link. Per link speed: the median step with the pairs overlapped (--overlap on,
+the default) and run one pass after the other (--overlap off), the communication each rank waited for (exposed)
+and had in flight, from the run's own trace; and DualPipe with every expert on both copies (--dualpipe-experts
+duplicate: no all-to-all, the experts' gradients summed across the copies once a step), with each layout's
+parameter bytes per rank.
+
+    sudo python scripts/benchmark_overlap.py [--docs]     # about 15 minutes on 2 cores; needs root (namespaces)
+
+Every configuration at one speed is a train.py launch across the two nodes; the configurations take turns in an
+order rotating each round, so drift hits all alike. Writes runs/overlap/overlap.json and .txt; with --docs
+docs/bench/overlap.json and the table in docs/moe.md.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
+import bench_common as common  # noqa: E402
+
+RATES = ["off", "2gbit", "1gbit", "500mbit"]
+MODELS = {  # the deep model's blocks each a dense layer and 4 experts (top-1); GPTlite small with 4 experts (top-2)
+    "deep": {"flags": ["--model", "deep", "--deep-width", "256", "--deep-depth", "16", "--moe-experts", "4",
+                       "--moe-top-k", "1", "--moe-capacity-factor", "0"],
+             "micro_batch_size": 512, "micro_batches": 16},
+    "gptlite": {"flags": ["--model", "gptlite", "--model-size", "small", "--moe-experts", "4", "--moe-top-k", "2",
+                          "--moe-capacity-factor", "0", "--partition-method", "uniform"],
+                "micro_batch_size": 8, "micro_batches": 16},
+}
+CONFIGS = {  # label -> train.py flags
+    "overlapped": ["--dualpipe-experts", "shard", "--overlap", "on"],
+    "sequential": ["--dualpipe-experts", "shard", "--overlap", "off"],
+    "duplicate": ["--dualpipe-experts", "duplicate"],
+}
+PORT = 29600
+
+
+def parse_args(argv=None):
+    p = common.parser(__doc__)
+    p.add_argument("--rates", nargs="+", default=RATES, help="link speeds (off: unthrottled)")
+    p.add_argument("--models", nargs="+", default=["deep"], choices=list(MODELS))
+    p.add_argument("--rounds", type=int, default=1, help="visits of every speed")
+    p.add_argument("--steps", type=int, default=4, help="steps of each run: the median of those after the first 2")
+    common.add(p, "out", "docs", "timeout", out="runs/overlap", docs="overlap", timeout=900)
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing
+    return p.parse_args(argv)
+
+
+def run_across(nodes, args, model, flags):
+    """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s})."""
+    global PORT
+    from schedules.observe.trace import exposed_communication
+    spec = MODELS[model]
+    PORT += 1  # a fresh port each launch: the last one's sockets may linger in TIME_WAIT
+    with tempfile.TemporaryDirectory(prefix="overlap-") as folder:
+        metrics, trace = os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "trace.json")
+        argv = ["train.py", *spec["flags"], *flags, "--pipeline-parallel-size", "2", "--pipeline-schedule",
+                "dualpipe", "--micro-batch-size", str(spec["micro_batch_size"]), "--gradient-accumulation-steps",
+                str(spec["micro_batches"]), "--steps", str(args.steps), "--trace", trace, "--trace-steps",
+                str(args.steps - 2), "--log-interval", "1", "--eval-interval", "0", "--metrics-file", metrics]
+        results = nodes.run_ranks(argv, PORT, args.timeout, 1, cwd=common.ROOT)
+        if any(code != 0 for code, _, _ in results):
+            raise SystemExit("train.py across the nodes failed:\n" + "\n".join(
+                f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+        times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
+        comm = exposed_communication(trace)
+    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}
+
+
+def parameter_bytes(model):
+    """Parameter bytes per rank of DualPipe at 2 ranks (each rank holds a copy of every stage) for each layout:
+    counted on the model's layers, built here without a pipeline."""
+    spec = MODELS[model]
+    if model != "deep":
+        return None
+    import deep_model
+    from validation import moe_blocks
+    flags = dict(zip(spec["flags"][::2], spec["flags"][1::2]))
+    width, depth, experts = int(flags["--deep-width"]), int(flags["--deep-depth"]), int(flags["--moe-experts"])
+    net = deep_model.DeepModel(deep_model.DeepConfig(width=width, depth=depth, moe_experts=experts,
+                                                     moe_blocks=moe_blocks("all", depth)))
+    expert = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if "deepspeed_experts" in n)
+    dense = sum(p.numel() * p.element_size() for n, p in net.named_parameters() if "deepspeed_experts" not in n)
+    # rank r holds stage r of one direction and stage 1-r of the other: the whole model's dense layers, and its
+    # experts whole (duplicate) or half of them (shard)
+    return {"duplicate": dense + expert, "shard": dense + expert // 2, "dense": dense, "experts": expert}
+
+
+def table(record):
+    lines = [record["machine"], ""]
+    got = "; ".join(f"{r}: {record['measured_rate'][r]}" for r in record["rates"])
+    lines.append(f"What a transfer got on each link (TCP, 8 MiB, best of 3): {got}.")
+    for model, per_rate in record["results"].items():
+        spec = MODELS[model]
+        lines += ["", f"**{model}** (DualPipe, 2 ranks, m = {spec['micro_batches']}, micro-batch "
+                      f"{spec['micro_batch_size']}): median step ms; communication exposed / in flight per step, "
+                      f"ms (rank 0, rank 1)", "",
+                  "| link | overlapped | sequential | speed-up | exposed overlapped | exposed sequential | "
+                  "duplicate experts |", "|---|---|---|---|---|---|---|"]
+        for rate in record["rates"]:
+            c = per_rate.get(rate)
+            if not c:
+                continue
+            on, off, dup = c["overlapped"], c["sequential"], c.get("duplicate")
+
+            def comm(cell):
+                return ", ".join(f"{cell['comm'][r][0] * 1e3:.0f} / {cell['comm'][r][1] * 1e3:.0f}" for r in "01")
+            lines.append(f"| {rate} | {on['step_s'] * 1e3:.0f} | {off['step_s'] * 1e3:.0f} | "
+                         f"{off['step_s'] / on['step_s']:.2f}x | {comm(on)} | {comm(off)} | "
+                         f"{dup['step_s'] * 1e3:.0f} |" if dup else "|")
+        sizes = record["parameter_bytes"].get(model)
+        if sizes:
+            lines += ["", f"Parameter bytes per rank: experts shared by the copies {sizes['shard'] / 2**20:.1f} MiB, "
+                          f"duplicated {sizes['duplicate'] / 2**20:.1f} MiB (dense {sizes['dense'] / 2**20:.1f}, "
+                          f"experts {sizes['experts'] / 2**20:.1f})."]
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from emulated_nodes import EmulatedNodes, NoRights, format_rate, parse_rate
+    if args.smoke:
+        MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=[
+            "--model", "deep", "--deep-width", "32", "--deep-depth", "4", "--moe-experts", "4", "--moe-top-k", "1",
+            "--moe-capacity-factor", "0"])
+        MODELS["gptlite"].update(micro_batch_size=2, micro_batches=4, flags=[
+            "--model", "gptlite", "--model-size", "tiny", "--moe-experts", "4", "--moe-capacity-factor", "0",
+            "--partition-method", "uniform"])
+    machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))
+    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
+              "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
+              "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
+    started = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the namespaces go on SIGTERM too (finally below)
+    try:
+        nodes = EmulatedNodes(2)
+        nodes.open()
+    except NoRights as e:
+        raise SystemExit(f"error: {e}")
+    try:
+        for rnd in range(args.rounds):
+            for rate in common.rotated(args.rates, rnd):
+                nodes.set_rate(parse_rate(rate))
+                record["measured_rate"][rate] = format_rate(nodes.measure())
+                for model in args.models:
+                    for label in common.rotated(list(CONFIGS), rnd):
+                        step, comm = run_across(nodes, args, model, CONFIGS[label])
+                        cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
+                        cell["runs"].append({"step_s": step, "comm": comm})
+                        cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])
+                        cell["comm"] = {r: [statistics.median(run["comm"][r][i] for run in cell["runs"])
+                                            for i in range(2)] for r in "01"}
+                        print(f"[{time.time() - started:.0f} s] {model} {rate} {label}: step {step * 1e3:.0f} ms, "
+                              f"exposed {comm['0'][0] * 1e3:.0f} / {comm['1'][0] * 1e3:.0f} ms", flush=True)
+    finally:
+        nodes.close()
+    common.save(args, "overlap", record, table(record))
+
+
+if __name__ == "__main__":
+    main()
