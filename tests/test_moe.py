@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from local_launch import launch
 from schedules.runtime import moe
-from training import TINY, assert_same_training, run_in_process, train, write_sgd_config
+from training import TINY, assert_same_training, run_in_process, train, write_config, write_sgd_config
 
 MOE = ("--n-layer", "6", "--partition-method", "uniform", "--moe-experts", "4", "--moe-top-k", "2",
        "--moe-capacity-factor", "0")
@@ -174,3 +174,30 @@ def test_the_moe_deep_model_trains_as_one_process(schedule, tmp_path, config):
     result = train(tmp_path / "p2", 2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", *schedule.split()],
                    config, 4, model=DEEP_MOE)
     assert_same_training(result, reference)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["dualpipe shared by copies", "1f1b over replicas"])
+def test_clipping_counts_every_expert_once(layout, tmp_path):
+    """Clipping by the global gradient norm (0.05: every step clips) with experts held once across the ranks: by one
+    of DualPipe's two copies each, or by one of two replicas each; the same training as no pipeline."""
+    clipped = write_config(tmp_path / "clip.json", clip=0.05, scheduler=False)
+    if layout.startswith("dualpipe"):
+        ranks, dp, flags = 2, 1, ["--pipeline-schedule", "dualpipe", "--dualpipe-experts", "shard"]
+    else:
+        ranks, dp, flags = 4, 2, ["--pipeline-schedule", "1f1b", "--expert-parallel-size", "2"]
+    reference = train(tmp_path / "ref", dp, [*MOE, "--pipeline-parallel-size", "0",
+                                             *(["--expert-parallel-size", "2"] if dp > 1 else [])], clipped, 8, dp=dp)
+    result = train(tmp_path / "pp", ranks, [*MOE, "--pipeline-parallel-size", "2", *flags], clipped, 8, dp=dp)
+    assert_same_training(result, reference)
+
+
+@pytest.mark.multiprocess
+def test_overlapped_pairs_with_activation_checkpointing(tmp_path, config):
+    """Each pass recomputes its own chunk's layers although the other pass of its pair activated another chunk (the
+    active chunk is per thread)."""
+    flags = [*MOE, "--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipe", "--dualpipe-experts", "shard",
+             "--activation-checkpoint-interval", "1"]
+    overlapped = train(tmp_path / "on", 2, flags, config, 8)
+    sequential = train(tmp_path / "off", 2, [*flags, "--overlap", "off"], config, 8)
+    _bitwise_equal(overlapped, sequential)
