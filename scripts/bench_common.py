@@ -189,3 +189,33 @@ def save(args, name, record, lines=None, publish=None, published=None):
     if getattr(args, "docs", False):
         import benchmark_docs  # beside this module
         benchmark_docs.publish(record if published is None else published, publish or name)
+
+
+def open_emulated_nodes(count):
+    """`count` emulated nodes (emulated_nodes.py), made; SystemExit in one line where namespaces cannot be made. A
+    SIGTERM then ends the script through its `finally` (where the caller closes them), so the namespaces go."""
+    import signal
+    import sys
+
+    from emulated_nodes import EmulatedNodes, NoRights
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        nodes = EmulatedNodes(count)
+        nodes.open()
+    except NoRights as e:
+        raise SystemExit(f"error: {e}")
+    return nodes
+
+
+def visit_rates(nodes, rates, rounds, measured, started):
+    """(round, rate) for each link speed of each round, in an order rotating each round, the nodes' links set to it;
+    what a transfer then gets is written to `measured[rate]` and printed."""
+    import time
+
+    from emulated_nodes import format_rate, parse_rate
+    for rnd in range(rounds):
+        for rate in rotated(rates, rnd):
+            nodes.set_rate(parse_rate(rate))
+            measured[rate] = format_rate(nodes.measure())
+            print(f"[{time.time() - started:.0f} s] link {rate}: a transfer gets {measured[rate]}", flush=True)
+            yield rnd, rate

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import sys
 import tempfile
@@ -164,7 +163,6 @@ def main(argv=None):
     args = parse_args(argv)
     import benchmark_schedules as bs
 
-    from emulated_nodes import EmulatedNodes, NoRights, format_rate, parse_rate
     if args.smoke:
         MODELS["deep"].update(flags=["--model", "deep", "--deep-width", "64", "--deep-depth", "4"],
                               micro_batch_size=4)
@@ -179,35 +177,25 @@ def main(argv=None):
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "auto": {m: {} for m in args.models}, "args": vars(args)}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the namespaces go on SIGTERM too (finally below)
+    nodes = common.open_emulated_nodes(2)
     try:
-        nodes = EmulatedNodes(2)
-        nodes.open()
-    except NoRights as e:
-        raise SystemExit(f"error: {e}")
-    try:
-        for rnd in range(args.rounds):
-            for rate in common.rotated(args.rates, rnd):
-                nodes.set_rate(parse_rate(rate))
-                record["measured_rate"][rate] = format_rate(nodes.measure())
-                print(f"[{time.time() - started:.0f} s] link {rate}: a transfer gets {record['measured_rate'][rate]}",
-                      flush=True)
-                for model in args.models:
-                    names = bs.schedule_names(args.schedules, MODELS[model]["micro_batches"], 2)[0]
-                    rows = schedule_launch(nodes, args, model, names, weights.get(model))
-                    for name, row in rows.items():
-                        cell = record["results"][model].setdefault(name, {}).setdefault(rate, {"runs": []})
-                        cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"]})
-                    if model == "gptlite":
-                        _, split = train_across(nodes, args, model, ["--pipeline-schedule", "zb-v", "--vocab-parallel",
-                                                                     "--partition-method", "profile"])
-                        cell = record["results"][model].setdefault("zb-v +vocab", {}).setdefault(rate, {"runs": []})
-                        cell["runs"].append({"step_s": split})
-                    if not args.no_auto:
-                        record["auto"][model][rate] = auto_run(nodes, args, model)
-                    print(f"[{time.time() - started:.0f} s] {rate} {model}: " + ", ".join(
-                        f"{n} {c[rate]['runs'][-1]['step_s'] * 1e3:.0f}" for n, c in record["results"][model].items()
-                        if rate in c), flush=True)
+        for rnd, rate in common.visit_rates(nodes, args.rates, args.rounds, record["measured_rate"], started):
+            for model in args.models:
+                names = bs.schedule_names(args.schedules, MODELS[model]["micro_batches"], 2)[0]
+                rows = schedule_launch(nodes, args, model, names, weights.get(model))
+                for name, row in rows.items():
+                    cell = record["results"][model].setdefault(name, {}).setdefault(rate, {"runs": []})
+                    cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"]})
+                if model == "gptlite":
+                    _, split = train_across(nodes, args, model, ["--pipeline-schedule", "zb-v", "--vocab-parallel",
+                                                                 "--partition-method", "profile"])
+                    cell = record["results"][model].setdefault("zb-v +vocab", {}).setdefault(rate, {"runs": []})
+                    cell["runs"].append({"step_s": split})
+                if not args.no_auto:
+                    record["auto"][model][rate] = auto_run(nodes, args, model)
+                print(f"[{time.time() - started:.0f} s] {rate} {model}: " + ", ".join(
+                    f"{n} {c[rate]['runs'][-1]['step_s'] * 1e3:.0f}" for n, c in record["results"][model].items()
+                    if rate in c), flush=True)
     finally:
         nodes.close()
     for model, rows in record["results"].items():  # medians over rounds; auto's prediction beside each

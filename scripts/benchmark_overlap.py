@@ -16,7 +16,6 @@ docs/bench/overlap.json and the table in docs/moe.md.
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -126,7 +125,6 @@ def table(record):
 
 def main(argv=None):
     args = parse_args(argv)
-    from emulated_nodes import EmulatedNodes, NoRights, format_rate, parse_rate
     if args.smoke:
         MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=[
             "--model", "deep", "--deep-width", "32", "--deep-depth", "4", "--moe-experts", "4", "--moe-top-k", "1",
@@ -139,27 +137,19 @@ def main(argv=None):
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
     started = time.time()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the namespaces go on SIGTERM too (finally below)
+    nodes = common.open_emulated_nodes(2)
     try:
-        nodes = EmulatedNodes(2)
-        nodes.open()
-    except NoRights as e:
-        raise SystemExit(f"error: {e}")
-    try:
-        for rnd in range(args.rounds):
-            for rate in common.rotated(args.rates, rnd):
-                nodes.set_rate(parse_rate(rate))
-                record["measured_rate"][rate] = format_rate(nodes.measure())
-                for model in args.models:
-                    for label in common.rotated(list(CONFIGS), rnd):
-                        step, comm = run_across(nodes, args, model, CONFIGS[label])
-                        cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
-                        cell["runs"].append({"step_s": step, "comm": comm})
-                        cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])
-                        cell["comm"] = {r: [statistics.median(run["comm"][r][i] for run in cell["runs"])
-                                            for i in range(2)] for r in "01"}
-                        print(f"[{time.time() - started:.0f} s] {model} {rate} {label}: step {step * 1e3:.0f} ms, "
-                              f"exposed {comm['0'][0] * 1e3:.0f} / {comm['1'][0] * 1e3:.0f} ms", flush=True)
+        for rnd, rate in common.visit_rates(nodes, args.rates, args.rounds, record["measured_rate"], started):
+            for model in args.models:
+                for label in common.rotated(list(CONFIGS), rnd):
+                    step, comm = run_across(nodes, args, model, CONFIGS[label])
+                    cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
+                    cell["runs"].append({"step_s": step, "comm": comm})
+                    cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])
+                    cell["comm"] = {r: [statistics.median(run["comm"][r][i] for run in cell["runs"])
+                                        for i in range(2)] for r in "01"}
+                    print(f"[{time.time() - started:.0f} s] {model} {rate} {label}: step {step * 1e3:.0f} ms, "
+                          f"exposed {comm['0'][0] * 1e3:.0f} / {comm['1'][0] * 1e3:.0f} ms", flush=True)
     finally:
         nodes.close()
     common.save(args, "overlap", record, table(record))
