@@ -34,3 +34,13 @@ def test_tiny_benchmark_reports_every_figure(tmp_path):
         assert all(abs(r - 1) < 0.1 for r in row["measured_over_predicted"]), (name, row["measured_over_predicted"])
     assert len(report["throughput"]["4"]["p2p_cpu_s"]) == 2 and report["throughput"]["4"]["p2p_cpu_s"][0] > 0
     assert (tmp_path / "throughput.png").exists()
+
+
+def test_gptlite_layer_costs_time_every_layer_the_chunked_head_with_its_loss():
+    """The weights that balance GPTlite's stages: one per layer, the head's (projected inside its loss) the largest."""
+    import argparse
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark_schedules as bs
+    costs = bs.gptlite_layer_costs(argparse.Namespace(model_size="tiny", micro_batch_size=2, device="cpu"), repeats=3)
+    assert len(costs) == 4 + 3 and min(costs) > 0
+    assert costs[-1] == max(costs)

@@ -12,6 +12,11 @@ made, its experts sharded over the data-parallel ranks of one stage.
   consecutive ranks inside a stage (a stage's data-parallel replicas sit on consecutive ranks), made on every
   rank before any model is built: `torch.distributed.new_group` is collective over the whole world, and a stage
   without experts would otherwise never call it while the others wait.
+- `shared_by_copies(p)`: a context for building a model for DualPipe's mirror placement (train.py's
+  --dualpipe-experts shard): each ExpertLayer holds half its experts and exchanges tokens with the stage's other copy
+  (ranks r and p-1-r); `prepare_expert_groups` gives the layers those groups.
+- Every exchange (dispatch, combine; forward, backward) goes through `overlap.exchange`, asynchronous, so that an
+  overlapped forward-backward pair computes one pass while the other's tokens are in flight.
 - `moe_param_groups(params)`: the optimizer's parameter groups with the experts' apart, as DeepSpeed's ZeRO and
   gradient reduction want them (the experts' gradients are averaged over the expert-data-parallel group only).
 - `scale_aux_losses(module, scale)`: the gradient the aux loss gets per unit of its coefficient: what the engine
@@ -194,7 +199,6 @@ class ExpertLayer(nn.Module):
         if self.aux_loss_coef and torch.is_grad_enabled():
             out = _AuxLossGradient.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out
-
 
     def _route(self, x):
         """DeepSpeed's MOELayer.forward (0.19.8; no tensor parallelism, no Tutel) with its gate, encoding, experts and
