@@ -40,6 +40,9 @@ class Placement:
     single_grad_slot = False  # the engine keeps one received gradient at a time
     async_sends = False  # sends are posted (isend) and complete later; the stream waits for them at its end
     channels_by_kind = False  # activations and gradients travel on separate communicators (FIFO within each)
+    # each channel's next receive is posted as soon as the one before it is taken, the first at the step's start
+    # (schedules/runtime/receive_ahead.py, gloo): a message then crosses the link while its receiver computes
+    receives_ahead = False
     handlers = {}  # engine-specific overrides of the simulator's instruction handlers
 
     def __init__(self, ranks):
@@ -87,8 +90,9 @@ class StockPlacement(Placement):
 
 class SplitBackwardPlacement(StockPlacement):
     """SplitBackwardEngine: the stock placement, with asynchronous sends and a received gradient
-    kept per micro-batch."""
+    kept per micro-batch, and receives posted ahead."""
     async_sends = True
+    receives_ahead = True
     single_grad_slot = False
 
 
@@ -114,6 +118,7 @@ class DualPipeVPlacement(Placement):
 
 class ChunkedPlacement(Placement):
     async_sends = True
+    receives_ahead = True
     single_grad_slot = False
     channels_by_kind = True
     num_model_stages = None  # stages the model is cut into (set in __init__)

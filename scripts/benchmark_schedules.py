@@ -192,6 +192,7 @@ def worker(args):
         activation = args.micro_batch_size * args.deep_width if args.model == "deep" else \
             batches[0][0].numel() * model_width(args)  # elements of what one stage sends
         result["latency_s"] = common.ping_pong_latency(rank, activation * 4, device, sync)
+        result["small_latency_s"] = common.ping_pong_latency(rank, 4, device, sync)  # the link's own, wire time aside
         steps = {name: [] for name in names}
         cuda_peak = {name: 0 for name in names}  # device bytes a step adds above what is resident
         dist.barrier()
@@ -249,6 +250,10 @@ def analyse_throughput(ranks, args, m):
     from schedules.simulator.simulate import simulate
     from schedules.simulator.timeline import Pass, Timeline
     latency = statistics.median(r["latency_s"] for r in ranks[:2])  # ranks 0 and 1 ping-pong, the others idle
+    # a message holds its link for its wire time (the one-way time less a small message's), and its send returns
+    # once the sockets took it (the messages here fit their buffers): simulate's `wire` and `send_wait`
+    small = statistics.median(r.get("small_latency_s", latency) for r in ranks[:2])
+    links = {"wire": max(latency - small, 0.0), "send_wait": small}
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
     cpu = [measured_p2p_cpu(t, stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement))
            for name, t in traces.items() if spec_of(name).placement.async_sends]
@@ -265,7 +270,7 @@ def analyse_throughput(ranks, args, m):
             step = one_iteration(timeline, i)
             spec = spec_of(name)
             pred = simulate(spec.factory, args.stages, m, placement=spec.placement, costs=measured_costs(step),
-                            latency=latency, p2p_cpu=p2p_cpu, dispatch=dispatch, iterations=1)
+                            latency=latency, p2p_cpu=p2p_cpu, dispatch=dispatch, iterations=1, **links)
             t0, t1 = timeline.span(i)
             spans.append(t1 - t0)
             predicted.append(pred.makespan)

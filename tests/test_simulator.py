@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from schedules import registry
 from schedules.errors import ScheduleError
-from schedules.placement import DualPipeVPlacement, StockPlacement
+from schedules.placement import DualPipeVPlacement, SplitBackwardPlacement, StockPlacement
 from schedules.registry import register_schedule
 from schedules.simulator.simulate import Compute, register_instruction, simulate
 from schedules.simulator.timeline import Timeline
@@ -90,6 +90,51 @@ def test_time_on_a_rank_besides_its_passes():
     assert r.makespan == pytest.approx(7.0)
     r = simulate('1f1b', 2, 1, iterations=1, p2p_cpu=(0.25, 0.125))  # one activation, one gradient
     assert r.makespan == pytest.approx(6 + 2 * (0.25 + 0.125))
+
+
+class _PostedAtTheInstruction(SplitBackwardPlacement):
+    receives_ahead = False
+
+
+def test_receives_posted_ahead_take_a_message_while_the_receiver_computes():
+    """Our engines post each channel's next receive when the one before it is taken (receive_ahead.py), so a
+    message sent while its receiver computes is there when it needs it; gloo moves a message only once its receive
+    is posted. 1F1B on our engine, p = 2, unit costs, latency 3 (> a pass)."""
+    def starts(placement):
+        r = simulate('1f1b-lean', 2, 4, placement=placement, latency=3.0, iterations=1)
+        return {(rank, p.kind, p.micro_batch): p.start for rank, row in enumerate(r.timeline.ranks) for p in row}
+    ahead, late = starts(SplitBackwardPlacement), starts(_PostedAtTheInstruction)
+    # the receives posted at the step's start: F0 on rank 0 ends at 1, the activation is there at 1 + 3 (its shape
+    # message beside it, both sends asynchronous); rank 1's BW0 ends at 7, the gradient is on rank 0 at 10
+    assert ahead[1, 'F', 0] == 4.0 and ahead[0, 'BW', 0] == 10.0
+    # posted at the instructions: the activation is asked for once its shapes are in (4), there at 7; the
+    # gradient once rank 0 reaches its RecvGrad
+    assert late[1, 'F', 0] == 7.0 and late[0, 'BW', 0] == 13.0
+
+
+def test_a_blocking_send_returns_once_its_bytes_are_handed_over():
+    """send_wait: a send completes that long after both sides posted it (the sockets' buffers take the message),
+    not when it arrives. DeepSpeed's 1F1B sends block: rank 0's second forward waits for its first send."""
+    def second_forward(**links):
+        return simulate('1f1b', 2, 4, latency=3.0, iterations=1, **links).timeline.ranks[0][1].start
+    # F0 ends at 1; its shape message's send done at 1 + wait; the data's receive posted once the shapes arrived
+    # (1 + 3), so the data's send done at 4 + wait
+    assert second_forward() == 4 + 3.0
+    assert second_forward(send_wait=0.0) == 4.0
+    assert second_forward(send_wait=0.5) == 4.5
+
+
+def test_messages_between_two_ranks_share_their_link():
+    """wire: a message holds the link from its rank to its peer that long, so the two chunks' messages of a V
+    schedule (an activation of one, a gradient of the other, on one link) cross one after the other; one chunk a
+    rank, the one message in flight on each link never waits for another."""
+    for name in ('zb-v', 'dualpipev', 'interleaved'):
+        alone = simulate(name, 2, 4, latency=5.0, iterations=1).makespan
+        shared = simulate(name, 2, 4, latency=5.0, wire=5.0, iterations=1).makespan
+        assert alone < shared <= alone + 16 * 5.0, name
+    for name in ('zb-h1', '1f1b-lean'):
+        assert simulate(name, 2, 4, latency=5.0, wire=5.0, iterations=1).makespan == \
+            simulate(name, 2, 4, latency=5.0, iterations=1).makespan, name
 
 
 def test_activation_memory_from_measured_pass_deltas():
@@ -440,6 +485,7 @@ KEPT_CASES = {
     'validated': lambda p: dict(validation='wait', step_cost={r: (0.1 * r, 0.5) for r in range(p)}, latency=0.1),
     'ahead': lambda p: dict(validation='ahead', step_cost=0.75),
     'replayed': lambda p: dict(replayed={1, 3}, rollback_cost=0.5, step_cost=0.25),
+    'links': lambda p: dict(costs=costs_of(p, 1), latency=0.4, send_wait=0.05, wire=0.3),
     'one iteration': lambda p: dict(iterations=1, memory={(r, c): {'F': 3.0 + r, 'W': -1.0} for r in range(p)
                                                           for c in range(4)}),
 }

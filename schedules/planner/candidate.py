@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from schedules.planner.compose import compose
+from schedules.planner.profile import message_times
 from schedules.simulator.simulate import simulate
 
 
@@ -44,8 +45,8 @@ def simulated(profile, spec, v, method, parts, placement, micro_batches, interlo
     figures = compose(profile, placement, parts)
     p2p = profile.p2p
     common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],
-                  latency=p2p['latency'] + p2p['per_byte'] * figures['message_bytes'],
-                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch)
+                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch,
+                  **message_times(p2p, figures['message_bytes']))
     result = simulate(spec.factory, placement.ranks, micro_batches, iterations=1, **common)
     outside = max(figures['outside'])
     bubble = [row['idle_synced'] / result.makespan for row in result.per_rank]

@@ -48,7 +48,7 @@ from schedules.observe.trace import (
 )
 from schedules.planner.choose import MiB, choose, table, to_json
 from schedules.planner.compose import compose, split_head
-from schedules.planner.profile import Profile
+from schedules.planner.profile import Profile, message_times
 from schedules.registry import available_schedules, schedule_spec
 from schedules.simulator.simulate import _memory_function, _within_function, simulate
 from schedules.simulator.timeline import Pass, Timeline
@@ -458,8 +458,8 @@ def candidate_run(profile, candidate, stages, micro_batches):
     composed = compose(profile, place, candidate.parts)
     p2p = profile.p2p
     result = simulate(spec.factory, stages, micro_batches, placement=spec.placement, costs=composed['costs'],
-                      memory=composed['memory'], latency=p2p['latency'] + p2p['per_byte'] * composed['message_bytes'],
-                      p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch, iterations=1)
+                      memory=composed['memory'], p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch,
+                      iterations=1, **message_times(p2p, composed['message_bytes']))
     return result, place, composed['memory']
 
 

@@ -481,9 +481,23 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
             times.append(time.perf_counter() - t0)
         return min(times)
 
+    def blocking_send(x, n=3):  # how long a send holds its rank when the receive was posted before it
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            if rank == 0:
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                dist.send(x, 1)
+                times.append(time.perf_counter() - t0)
+            elif rank == 1:
+                dist.recv(x, 0)
+        return min(times) if times else 0.0
+
     dist.barrier()
     ping_pong(small, 3)  # warm-up: connections
     lat_small, lat_big = ping_pong(small), ping_pong(big, max(3, repeats // 4))
+    send_big = blocking_send(big)
     sends, recvs = [], []
     for _ in range(repeats):
         dist.barrier()
@@ -499,14 +513,31 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
             recvs.append(time.perf_counter() - t0)
     reduce_small = all_reduce(torch.zeros(1, device=device))
     reduce_big = all_reduce(torch.zeros(reduce_bytes // 4, device=device), 3)
-    mine = [lat_small, (lat_big - lat_small) / max(big.numel() * 4 - 4, 1), min(sends) if sends else 0.0,
-            min(recvs) if recvs else 0.0, reduce_small, (reduce_big - reduce_small) / reduce_bytes]
+    per_byte = (lat_big - lat_small) / max(big.numel() * 4 - 4, 1)
+    # the bytes the transport takes before the wire has carried them (the sockets' buffers): a send of `big`
+    # returned that much wire time before the message's one-way time
+    buffered = big.numel() * 4 - max(send_big - lat_small, 0.0) / per_byte if per_byte > 0 else float(big.numel() * 4)
+    mine = [lat_small, per_byte, min(sends) if sends else 0.0, min(recvs) if recvs else 0.0, reduce_small,
+            (reduce_big - reduce_small) / reduce_bytes, min(max(buffered, 0.0), big.numel() * 4)]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank gets rank 0's and rank 1's figures
     one_way = every[0][0] + max(every[0][1], 0.0) * (nbytes - 4)
     return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2],
             'recv': max(every[1][3] - one_way, 0.0),
-            'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0)}
+            'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0), 'buffered': every[0][6]}
+
+
+def message_times(p2p, nbytes):
+    """simulate's `latency`, `send_wait` and `wire` for messages of `nbytes` between two ranks: the one-way time;
+    how long a send waits once both sides posted it, which is only the wire time of what the sockets' buffers
+    (`p2p['buffered']` bytes, measured) cannot take at once (gloo moves a message only once its receive is
+    posted); and how long it holds the link (its bytes over the link's rate), so that messages between the same
+    ranks cross one after the other. A profile without 'buffered' (older) waits for the whole message."""
+    latency, wire = p2p['latency'] + p2p['per_byte'] * nbytes, p2p['per_byte'] * nbytes
+    if 'buffered' not in p2p:
+        return {'latency': latency, 'send_wait': None, 'wire': wire}
+    return {'latency': latency, 'wire': wire,
+            'send_wait': p2p['latency'] + p2p['per_byte'] * max(nbytes - p2p['buffered'], 0.0)}
 
 
 def measure_dispatch(activation, repeats=50):

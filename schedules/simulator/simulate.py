@@ -7,10 +7,16 @@ up by the instruction's exact type, as DeepSpeed's engine does. Which chunk an i
 touches and which rank it talks to depend on the engine, not the schedule: a `Placement`
 answers that.
 
-Communication follows the real engine on gloo: a send completes only once the peer has posted
-the matching receive (rendezvous); messages between an ordered pair of ranks match first-in
-first-out whatever their kind; engines with CommitP2P queue their sends/receives and post them
-together at the CommitP2P (dist.batch_isend_irecv), which waits for all of them. A mismatch at
+Communication follows the real engine on gloo: a message moves only once both its send and its
+receive are posted (rendezvous; measured across emulated nodes: a receive posted 300 ms late still
+took the message's whole wire time after it was posted); messages between an ordered pair of ranks
+match first-in first-out whatever their kind; engines with CommitP2P queue their sends/receives
+and post them together at the CommitP2P (dist.batch_isend_irecv), which waits for all of them;
+engines that post receives ahead (Placement.receives_ahead: ours on gloo) post each channel's
+next receive when the one before it is taken, so a message crosses the link while its receiver
+computes. A message arrives `latency` after the rendezvous; its send completes `send_wait` after
+it (the sockets' buffers take the bytes at once); with `wire` > 0 the link from one rank to
+another carries one message at a time, so two chunks' messages on one link share its rate. A mismatch at
 the head of a channel, a wait that can never end, or a buffer used out of order raises
 ScheduleError naming rank, step and instruction: schedules are checked, not trusted.
 
@@ -138,7 +144,7 @@ def _memory_function(memory):
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
-             replayed=(), rollback_cost=0.0):
+             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -146,6 +152,13 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     costs: None for unit costs (units 'F'), else seconds per (rank, chunk) (units 's'), or per pass in turn
     (a list per kind: durations replayed), see _cost_function.
     latency: cost of every p2p message, from its send (or its receive, if later) to its arrival.
+    send_wait: from that moment to the send's completion (its data handed to the transport: on gloo the socket's
+    buffers take a message of up to a few hundred KiB at once, and the wire time goes on after it); None: the
+    message's arrival (`latency`). A blocking send holds its rank that long; an asynchronous one is waited for at
+    the step's end.
+    wire: the part of `latency` during which a message holds the link from its rank to its peer (its bytes over the
+    link's rate): messages between two ranks then cross one after the other, in the order they met, so two chunks'
+    messages on one link share it. 0.0: every message priced alone.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
@@ -209,16 +222,17 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                 run_iteration.append(it)
             run_iteration.append(it)
         runs = len(run_iteration)
-        first = _structure(schedule, place, stages, micro_batches, 1, forward_only, validation)
+        first = _structure(schedule, place, stages, micro_batches, 1, forward_only, validation, wire > 0)
         if runs == 1:
             segments = [(first, 0)]
         elif first.clean and _replayable(schedule):  # every later run is the first one again, without its shapes
             segments = [(first, 0)] + [(_steady(first), run) for run in range(1, runs)]
         else:
-            segments = [(_structure(schedule, place, stages, micro_batches, runs, forward_only, validation), 0)]
+            segments = [(_structure(schedule, place, stages, micro_batches, runs, forward_only, validation, wire > 0),
+                         0)]
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
-                      wasted, memo)
+                      wasted, memo, send_wait, wire)
         if n == 1:
             out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages

@@ -74,7 +74,7 @@ class _Rank:
     __slots__ = ('rank', 'programs', 'run', 'runs', 'prog', 'pos', 'source', 'source_of', 'it', 'step', 'instr',
                  'effects', 'epos', 'pair', 'clock', 'waiting', 'queued', 'finished', 'buffers', 'counts', 'forwards',
                  'backwards', 'pending_w', 'meta_done', 'grad_slot', 'in_flight', 'messages', 'validated_through',
-                 'wpos', 'wclock', 'count', 'constants')
+                 'wpos', 'wclock', 'count', 'constants', 'ahead', 'run_clock')
 
     def __init__(self, rank, runs, program, source_of=None):
         self.rank = rank
@@ -101,6 +101,9 @@ class _Rank:
         self.in_flight = []  # asynchronous sends not yet known to be complete
         self.messages = []  # (iteration, is_send, kind, peer rank) of each data send / receive, in stream order
         self.validated_through = -1  # post-validation: the last iteration whose norm this rank waited for
+        # receives posted ahead (Placement.receives_ahead): channel -> the node where its next receive is posted,
+        # when the one before it was taken; a channel's first receive of a run is posted at the run's start
+        self.ahead, self.run_clock = {}, rank
 
     def peek(self):
         """(run, entry) of the next instruction, or None at the end of the last run; moves on to the next run
@@ -141,7 +144,10 @@ _STRUCTURES_KEPT = 4_000_000  # nodes and passes kept (every schedule at p = 16,
 # recently used dropped first
 _WHEN_CHANGED.append(lambda: _STRUCTURES.clear())  # made with a handler that register_instruction replaced
 VALIDATIONS = (None, 'ahead', 'wait')  # simulate(validation=...)
-_ZERO, _LATENCY, _SEND_CPU, _RECV_CPU, _WAIT = range(5)  # param slots; _WAIT + rank: 0.0, a rank waiting
+# param slots; _WAIT + rank: 0.0, a rank waiting. _LATENCY: from a message's rendezvous (both sides posted) to its
+# arrival; _SEND_WAIT: from the rendezvous to the send's completion (the data handed to the transport)
+# _WIRE: how long a message holds its link (messages from one rank to another cross it one after the other)
+_ZERO, _LATENCY, _SEND_CPU, _RECV_CPU, _SEND_WAIT, _WIRE, _WAIT = range(7)
 
 
 def _slots(ranks, runs):
@@ -198,7 +204,8 @@ class _Simulation:
     """Every rank's stream run together for `runs` runs: the checks, the matching, and the `_Program` of timing
     nodes they make (`self.program`)."""
 
-    def __init__(self, factory, placement, ranks, micro_batches, runs, forward_only, validation=None, messages=True):
+    def __init__(self, factory, placement, ranks, micro_batches, runs, forward_only, validation=None, messages=True,
+                 lanes=False):
         if validation not in VALIDATIONS:
             raise ValueError(f"validation {validation!r}: choose from {', '.join(map(str, VALIDATIONS))}")
         self.validation = validation
@@ -224,12 +231,15 @@ class _Simulation:
                     micro_batches=micro_batches, stages=ranks, stage_id=r))
             self.ranks = [_Rank(r, runs, None, source_of(r)) for r in range(ranks)]
         self.channels = {}  # (src, dst[, kind]) -> (deque of sends, deque of receives), in posting order
+        # with `lanes`, the link from a rank to another carries one message at a time, in the order they met:
+        # (src, dst, run) -> the node where the last one left it
+        self.lanes = {} if lanes else None
         self.next_pair = 0
         # what _advance reads on every call, in one tuple
         self.constants = (forward_only, placement.batched_p2p, placement.async_sends, placement.tensor_meta,
                           placement.single_grad_slot, self.channels, messages, self.nodes, ranks - 1,
                           self.program.passes, self.cost_slot, self.program.fetch, self.program.meta_waits,
-                          self.program.folds)
+                          self.program.folds, placement.receives_ahead, self.lanes)
         for rk in self.ranks:
             rk.constants = (rk.rank, rk.buffers, rk.messages, rk.pending_w, rk.meta_done, _WAIT + rk.rank,
                             self.dispatch_slot + rk.rank)
@@ -285,7 +295,7 @@ class _Simulation:
             return False
         moved = False
         (forward_only, batched, async_sends, tensor_meta, single_slot, channels, record, nodes, off, passes, cost_slot,
-         fetch, meta_waits, folds) = self.constants
+         fetch, meta_waits, folds, ahead, lanes) = self.constants
         rank, buffers, messages, pending_w, meta_done, wait_slot, dispatch_slot = rk.constants
         node = nodes.append
         clock = rk.clock
@@ -308,6 +318,8 @@ class _Simulation:
                     if clock == w[_POSTED]:  # waited for at once: it cannot end before its op
                         folds.append(len(nodes) - 1)
                     clock = len(nodes) + off
+                    if ahead and not w[_IS_SEND] and w[_MSG][0] is not META:  # the channel's next receive: now
+                        rk.ahead[w[_CHANNEL]] = clock
                     if w[_MSG][0] is META:
                         meta_waits.append(clock)
                     rk.waiting = ()
@@ -472,7 +484,7 @@ class _Simulation:
                     rk.queued.append(new)
                     continue
                 # post it (as _post)
-                new[_POSTED] = clock
+                new[_POSTED] = clock if is_send or not ahead else rk.ahead.get(e[9], rk.run_clock)
                 queues = channels.get(e[9])
                 if queues is None:
                     queues = channels[e[9]] = (deque(), deque())
@@ -493,10 +505,15 @@ class _Simulation:
                     s, r = queues[0].popleft(), new
                 if s[_MSG] != r[_MSG]:
                     self._protocol_error(s, r)
-                node((s[_POSTED], r[_POSTED], _LATENCY))
-                done = s[_DONE] = len(nodes) + off
-                node((done, done, _RECV_CPU))
-                r[_DONE] = done + 1
+                if lanes is not None:
+                    self._meet(s, r)
+                else:
+                    node((s[_POSTED], r[_POSTED], _SEND_WAIT))
+                    s[_DONE] = len(nodes) + off
+                    node((s[_POSTED], r[_POSTED], _LATENCY))
+                    arrived = len(nodes) + off
+                    node((arrived, arrived, _RECV_CPU))
+                    r[_DONE] = arrived + 1
                 if r[_MATCH]:
                     self._matched(r)
             else:
@@ -530,8 +547,9 @@ class _Simulation:
             return True
         run, (step, instr, effects, paired) = nxt
         rk.pos += 1
-        if run != it:  # a new run: its counts start again
+        if run != it:  # a new run: its counts start again; the engine posts each channel's first receive now
             rk.counts, rk.forwards, rk.backwards = {}, set(), set()
+            rk.ahead, rk.run_clock = {}, rk.clock
         rk.it, rk.step, rk.instr, rk.effects, rk.epos = run, step, instr, effects, 0
         if paired:
             self.next_pair += 1
@@ -734,7 +752,8 @@ class _Simulation:
                 rk.waiting = [op]
 
     def _post(self, rk, op):
-        op[_POSTED] = rk.clock
+        op[_POSTED] = rk.clock if op[_IS_SEND] or op[_MSG][0] is META or not self.placement.receives_ahead else \
+            rk.ahead.get(op[_CHANNEL], rk.run_clock)
         queues = self.channels.get(op[_CHANNEL])
         if queues is None:
             queues = self.channels[op[_CHANNEL]] = (deque(), deque())
@@ -753,10 +772,23 @@ class _Simulation:
         # of the two was posted, the receive its own time after that
         if s[_MSG] != r[_MSG]:
             self._protocol_error(s, r)
-        s[_DONE] = done = self._node(s[_POSTED], r[_POSTED], _LATENCY)
-        r[_DONE] = self._node(done, done, _RECV_CPU)
+        self._meet(s, r)
         if r[_MATCH]:
             self._matched(r)
+
+    def _meet(self, s, r):
+        """The nodes of a send and its receive that met: the send done `send_wait` after both were posted (and its
+        link was free, with lanes), the message there `latency` after, the receive its own time later."""
+        a, b = s[_POSTED], r[_POSTED]
+        if self.lanes is not None and s[_MSG][0] is not META:  # (a tensor-shape message is a few bytes)
+            key = (s[0], s[_PEER], s[_MSG][4])
+            last = self.lanes.get(key)
+            if last is not None:
+                a, b = self._node(a, b, _ZERO), last
+            self.lanes[key] = self._node(a, b, _WIRE)
+        s[_DONE] = self._node(a, b, _SEND_WAIT)
+        arrived = self._node(a, b, _LATENCY)
+        r[_DONE] = self._node(arrived, arrived, _RECV_CPU)
 
     @staticmethod
     def _protocol_error(s, r):
@@ -815,17 +847,17 @@ class _Simulation:
 # Structures kept, and the chained iterations from one iteration's.
 
 
-def _structure(factory, placement, stages, micro_batches, runs, forward_only, validation):
+def _structure(factory, placement, stages, micro_batches, runs, forward_only, validation, lanes=False):
     """The `_Program` of `runs` runs of the schedule's streams: kept from an earlier call, else simulated (and kept
     when the streams are a function of the schedule, p and m alone)."""
     kept = _replayable(factory)
-    key = _program_key(factory, placement, stages, micro_batches) + (forward_only, validation)
+    key = _program_key(factory, placement, stages, micro_batches) + (forward_only, validation, lanes)
     programs = _STRUCTURES.get(key) if kept else None
     if programs is not None and runs in programs:
         _STRUCTURES.move_to_end(key)
         return programs[runs]
     prog = _Simulation(factory, placement, stages, micro_batches, runs, forward_only, validation,
-                       messages=runs == 1).run()
+                       messages=runs == 1, lanes=lanes).run()
     if kept:
         _STRUCTURES.setdefault(key, {})[runs] = prog
         _STRUCTURES.move_to_end(key)

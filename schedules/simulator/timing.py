@@ -187,10 +187,12 @@ def _columns(prog):
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
-            memo=None):
+            memo=None, send_wait=None, wire=0.0):
     """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
     ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
-    back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params."""
+    back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params.
+    `send_wait`: from a message's rendezvous to its send's completion (None: its arrival, `latency`); `wire`: how
+    long it holds its link."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
@@ -198,7 +200,7 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     send_cpu, recv_cpu = p2p_cpu
     parts = [step_parts(r) for r in range(p)]
     dispatches = [dispatch.get(r, 0.0) for r in range(p)]
-    head = ([0.0, latency, send_cpu, recv_cpu] + [0.0] * p + dispatches + [b for b, _ in parts]
+    head = ([0.0, latency, send_cpu, recv_cpu, latency if send_wait is None else send_wait, wire] + [0.0] * p + dispatches + [b for b, _ in parts]
             + [a for _, a in parts])
     nonneg = latency >= 0 and recv_cpu >= 0
     common = (all(x == 0 for x in dispatches), send_cpu == 0, recv_cpu == 0, all(b == 0 for b, _ in parts),
