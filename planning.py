@@ -32,8 +32,11 @@ def layer_builders(args):
     from layers import build_layer
     if args.model == "deep":
         import deep_model
+        from validation import moe_config
+        # each expert layer whole, on this rank (no exchange): sharing them between ranks is priced by compose
+        experts = dict(moe_config(args), expert_parallel_size=1) if getattr(args, "moe_experts", 0) else {}
         specs = deep_model.layer_specs(deep_model.DeepConfig(width=args.deep_width, depth=args.deep_depth,
-                                                             seed=args.seed))
+                                                             seed=args.seed, **experts))
         seed = args.seed
     else:
         import gptlite
@@ -45,10 +48,12 @@ def layer_builders(args):
 def gptlite_config(args):
     """The GPTliteConfig train.py builds from these flags."""
     import gptlite
+    from validation import moe_config
     config = gptlite.MODEL_SIZES[args.model_size]
+    experts = dict(moe_config(args), expert_parallel_size=1) if getattr(args, "moe_experts", 0) else {}
     return replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
                    block_size=getattr(args, "block_size", None) or config.block_size,
-                   head=getattr(args, "head", "chunked"))  # the head that runs is the head measured
+                   head=getattr(args, "head", "chunked"), **experts)  # the head that runs is the head measured
 
 
 def slice_builders(args, parts, recompute=True):
@@ -176,7 +181,10 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
             "deep_width": args.deep_width if args.model == "deep" else None, "deep_depth": args.deep_depth
             if args.model == "deep" else None, "micro_batch_size": int(x.shape[0]), "bf16": bf16,
             "device": str(device or "cpu"), "threads": torch.get_num_threads(), "ranks": world, "repeats": repeats,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started,
+            # how the run lays out its experts (compose prices DualPipe's copies sharing them) and runs its pairs
+            "dualpipe_experts": args.dualpipe_experts if getattr(args, "moe_experts", 0) else None,
+            "overlap": getattr(args, "overlap", "on") == "on"}
     if slices is not None:
         meta["slices_seconds"] = slices_seconds  # of which the split head's slices
     if calibrated:

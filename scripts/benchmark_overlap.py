@@ -40,6 +40,8 @@ CONFIGS = {  # label -> train.py flags
     "duplicate": ["--dualpipe-experts", "duplicate"],
 }
 PORT = 29600
+UNTHROTTLED = 15e9  # bits per second a transfer gets between the emulated nodes without a limit (12-20 measured)
+LINK_LATENCY = 1e-4  # a small message's one-way time between them, seconds
 
 
 def parse_args(argv=None):
@@ -48,13 +50,15 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", default=["deep"], choices=list(MODELS))
     p.add_argument("--rounds", type=int, default=1, help="visits of every speed")
     p.add_argument("--steps", type=int, default=4, help="steps of each run: the median of those after the first 2")
+    p.add_argument("--no-auto", action="store_true", help="skip auto's predictions (a profile across the nodes)")
     common.add(p, "out", "docs", "timeout", out="runs/overlap", docs="overlap", timeout=900)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing
     return p.parse_args(argv)
 
 
-def run_across(nodes, args, model, flags):
-    """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s})."""
+def run_across(nodes, args, model, flags, predict=False):
+    """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
+    with `predict` the simulator's steps from this run's trace (predicted))."""
     global PORT
     from schedules.observe.trace import exposed_communication
     spec = MODELS[model]
@@ -71,7 +75,62 @@ def run_across(nodes, args, model, flags):
                 f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
         times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
         comm = exposed_communication(trace)
-    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}
+        forecast = predicted(trace, model, nodes.rate or UNTHROTTLED, statistics.median(times)) if predict else None
+    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast
+
+
+def auto_predicted(nodes, args, model):
+    """What `--pipeline-schedule auto` predicts for DualPipe with the experts shared (overlapped, sequential) and
+    duplicated, from a profile measured across the nodes as train.py's auto measures it (choose_schedule.py's
+    worker: the layers, their exchanged bytes, the link): {label: seconds per step}, the best cut of each."""
+    global PORT
+    from dataclasses import replace
+
+    from schedules.planner.choose import choose
+    from schedules.planner.profile import Profile
+    spec = MODELS[model]
+    PORT += 1
+    with tempfile.TemporaryDirectory(prefix="overlap-profile-") as folder:
+        path = os.path.join(folder, "profile.json")
+        argv = ["scripts/choose_schedule.py", "--worker", "--save", path, *spec["flags"], "--micro-batch-size",
+                str(spec["micro_batch_size"]), "--gradient-accumulation-steps", str(spec["micro_batches"])]
+        results = nodes.run_ranks(argv, PORT, args.timeout, 1, cwd=common.ROOT)
+        if any(code != 0 for code, _, _ in results):
+            raise SystemExit("profiling across the nodes failed:\n" + "\n".join(
+                f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+        profile = Profile.load(path)
+    layouts = {"overlapped": ("shard", True), "sequential": ("shard", False), "duplicate": ("duplicate", True)}
+    return {label: choose(replace(profile, meta=dict(profile.meta, dualpipe_experts=experts, overlap=overlap)), 2,
+                          spec["micro_batches"], schedules=["dualpipe"]).pick.step
+            for label, (experts, overlap) in layouts.items()}
+
+
+def predicted(trace, model, rate, step):
+    """The simulator's step for DualPipe's pairs run one pass after the other and overlapped, from the trace of a
+    run of them one after the other (`step` its median step): each pass's computation and the all-to-alls it had
+    in flight (trace.communication_costs), the engine's own work per pass, the pipeline's messages priced by their
+    bytes over the link's `rate` (bits per second); what the run spent outside its passes' span (the optimizer
+    step, the copies' gradient all-reduce) added to both."""
+    from schedules.observe.trace import communication_costs, load_chrome_trace, load_p2p_events, measured_dispatch
+    from schedules.simulator.simulate import simulate
+    spec = MODELS[model]
+    costs, comm = communication_costs(trace)
+    timeline, _ = load_chrome_trace(trace)
+    dispatch = measured_dispatch(timeline, load_p2p_events(trace))
+    spans = [timeline.span(i) for i in timeline.iterations()]
+    outside = step - statistics.median(t1 - t0 for t0, t1 in spans)
+    flags = dict(zip(spec["flags"][::2], spec["flags"][1::2]))
+    if model == "deep":
+        width, tokens = int(flags["--deep-width"]), 1
+    else:
+        import gptlite
+        size = gptlite.MODEL_SIZES[flags["--model-size"]]
+        width, tokens = size.n_embd, size.block_size
+    wire = spec["micro_batch_size"] * tokens * width * 4 * 8 / rate  # an activation or its gradient on the link
+    links = dict(latency=LINK_LATENCY + wire, wire=wire, send_wait=LINK_LATENCY)
+    return {label: simulate("dualpipe", 2, spec["micro_batches"], costs=costs, comm=comm, overlap=label == "overlapped",
+                            dispatch=dispatch, iterations=1, **links).makespan + outside
+            for label in ("sequential", "overlapped")}
 
 
 def parameter_bytes(model):
@@ -100,8 +159,9 @@ def table(record):
     for model, per_rate in record["results"].items():
         spec = MODELS[model]
         lines += ["", f"**{model}** (DualPipe, 2 ranks, m = {spec['micro_batches']}, micro-batch "
-                      f"{spec['micro_batch_size']}): median step ms; communication exposed / in flight per step, "
-                      f"ms (rank 0, rank 1)", "",
+                      f"{spec['micro_batch_size']}): median step ms / the simulator's from the sequential run's trace / "
+                      f"auto's from its profile across the nodes; communication exposed / in flight per step, ms "
+                      f"(rank 0, rank 1)", "",
                   "| link | overlapped | sequential | speed-up | exposed overlapped | exposed sequential | "
                   "duplicate experts |", "|---|---|---|---|---|---|---|"]
         for rate in record["rates"]:
@@ -112,9 +172,14 @@ def table(record):
 
             def comm(cell):
                 return ", ".join(f"{cell['comm'][r][0] * 1e3:.0f} / {cell['comm'][r][1] * 1e3:.0f}" for r in "01")
-            lines.append(f"| {rate} | {on['step_s'] * 1e3:.0f} | {off['step_s'] * 1e3:.0f} | "
+
+            def step(cell):
+                guess = "".join(f" / {statistics.median(cell[key]) * 1e3:.0f}" if cell.get(key) else " / -"
+                                for key in ("predicted", "auto"))
+                return f"{cell['step_s'] * 1e3:.0f}{guess}"
+            lines.append(f"| {rate} | {step(on)} | {step(off)} | "
                          f"{off['step_s'] / on['step_s']:.2f}x | {comm(on)} | {comm(off)} | "
-                         f"{dup['step_s'] * 1e3:.0f} |" if dup else "|")
+                         + (f"{step(dup)} |" if dup else "|"))
         sizes = record["parameter_bytes"].get(model)
         if sizes:
             lines += ["", f"Parameter bytes per rank: experts shared by the copies {sizes['shard'] / 2**20:.1f} MiB, "
@@ -142,9 +207,17 @@ def main(argv=None):
         for rnd, rate in common.visit_rates(nodes, args.rates, args.rounds, record["measured_rate"], started):
             for model in args.models:
                 for label in common.rotated(list(CONFIGS), rnd):
-                    step, comm = run_across(nodes, args, model, CONFIGS[label])
+                    if label == "duplicate" and not args.no_auto:  # auto's figures for this speed, once a round
+                        for other, figure in auto_predicted(nodes, args, model).items():
+                            record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
+                                "auto", []).append(figure)
+                    step, comm, forecast = run_across(nodes, args, model, CONFIGS[label], label == "sequential")
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
+                    if forecast:  # the simulator's figures from the sequential run's trace, beside each
+                        for other, figure in forecast.items():
+                            record["results"][model][rate].setdefault(other, {"runs": []}).setdefault(
+                                "predicted", []).append(figure)
                     cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])
                     cell["comm"] = {r: [statistics.median(run["comm"][r][i] for run in cell["runs"])
                                         for i in range(2)] for r in "01"}

@@ -11,14 +11,16 @@ import benchmark_overlap as bo  # noqa: E402
 
 
 def test_the_table_shows_overlapped_beside_sequential_and_the_exposed_communication():
-    cell = lambda step, exposed: {"step_s": step, "comm": {"0": [exposed, 0.5], "1": [exposed, 0.6]}}  # noqa: E731
+    cell = lambda step, exposed, *guess: {"step_s": step, "comm": {"0": [exposed, 0.5], "1": [exposed, 0.6]},  # noqa
+                                          **({"predicted": [guess[0]], "auto": [guess[1]]} if guess else {})}
     record = {"machine": "2-core test machine", "rates": ["1gbit"], "measured_rate": {"1gbit": "990 Mbit/s"},
-              "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2), "sequential": cell(1.2, 0.7),
+              "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2, 0.95, 0.85), "sequential": cell(1.2, 0.7, 1.1, 1.3),
                                              "duplicate": cell(0.4, 0.0)}}},
               "parameter_bytes": {"deep": {"shard": 3 << 20, "duplicate": 5 << 20, "dense": 1 << 20,
                                            "experts": 4 << 20}}}
     text = "\n".join(bo.table(record))
-    assert "| 1gbit | 900 | 1200 | 1.33x | 200 / 500, 200 / 600 | 700 / 500, 700 / 600 | 400 |" in text
+    assert "| 1gbit | 900 / 950 / 850 | 1200 / 1100 / 1300 | 1.33x | 200 / 500, 200 / 600 | 700 / 500, 700 / 600 | " \
+        "400 / - / - |" in text
     assert "experts shared by the copies 3.0 MiB, duplicated 5.0 MiB" in text
 
 
@@ -28,3 +30,43 @@ def test_sharing_the_experts_halves_their_bytes_per_rank():
     dense = depth * (width * width + width + width * experts) * 4  # each block's dense layer and gate
     assert sizes["dense"] == dense and sizes["experts"] == depth * experts * (width * width + width) * 4
     assert sizes["duplicate"] - sizes["shard"] == pytest.approx(sizes["experts"] / 2)
+
+
+def traced_run(path, compute, comm, m=4):
+    """A trace file of DualPipe at 2 ranks whose passes took `compute` and then waited for `comm` (per kind), one
+    collective at the end of each pass, as a run with --overlap off writes it; and that run's makespan."""
+    from types import SimpleNamespace
+
+    from schedules.observe.trace import write_chrome_trace
+    from schedules.placement import MirrorPlacement
+    from schedules.simulator.simulate import simulate
+    costs = {(r, c): dict(compute) for r in range(2) for c in range(2)}
+    run = simulate("dualpipe", 2, m, costs=costs, comm={k: dict(comm) for k in costs}, overlap=False, iterations=1)
+    tracers = []
+    for rank, row in enumerate(run.timeline.ranks):
+        waits = [("all_to_all", p.end - c, p.end - c, p.end, 0) for p in row  # a BW waits for its B's
+                 for c in [comm.get(p.kind, comm.get("B", 0.0) if p.kind == "BW" else 0.0)] if c]
+        tracers.append(SimpleNamespace(rank=rank, passes=row, placement=MirrorPlacement(2), memory_samples=[],
+                                       peak_bytes={}, p2p=[], other=[], comm=waits))
+    write_chrome_trace(tracers, str(path), {"schedule": "dualpipe", "stages": 2, "micro_batches": m})
+    return run.makespan
+
+
+def test_a_traced_sequential_run_predicts_itself_and_its_overlap(tmp_path, monkeypatch):
+    """predicted(): each pass's computation and collectives read back from the trace (trace.communication_costs)
+    give the sequential run's step again, and the overlapped pairs' shorter one."""
+    from schedules.observe.trace import communication_costs
+    compute, comm = {"F": 0.010, "B": 0.012, "W": 0.005}, {"F": 0.008, "B": 0.008}
+    span = traced_run(tmp_path / "trace.json", compute, comm)
+    costs, comms = communication_costs(str(tmp_path / "trace.json"))
+    assert costs[(0, 0)]["F"] == pytest.approx(0.010) and comms[(1, 1)]["B"] == pytest.approx(0.008)
+    assert comms[(0, 0)]["W"] == 0.0
+    monkeypatch.setitem(bo.MODELS["deep"], "micro_batches", 4)
+    monkeypatch.setattr(bo, "LINK_LATENCY", 0.0)
+    step = span + 0.05  # the optimizer step and the rest outside the passes
+    got = bo.predicted(str(tmp_path / "trace.json"), "deep", 1e15, step)  # a link of no cost: the p2p free
+    assert got["sequential"] == pytest.approx(step, rel=1e-3)
+    from schedules.simulator.simulate import simulate
+    costs = {(r, c): dict(compute) for r in range(2) for c in range(2)}
+    overlapped = simulate("dualpipe", 2, 4, costs=costs, comm={k: dict(comm) for k in costs}, iterations=1).makespan
+    assert got["overlapped"] == pytest.approx(overlapped + 0.05, rel=1e-3) and overlapped < span - 0.005

@@ -129,8 +129,8 @@ CASES = {
                                            "--save-dir with --dualpipe-experts shard"),
     "deep-moe-blocks-out-of-range": (1, ["--model", "deep", "--deep-depth", "4", "--moe-experts", "4", "--moe-blocks",
                                          "5"], "--moe-blocks 5"),
-    "experts-auto": (2, ["--moe-experts", "4", "--pipeline-parallel-size", "2", "--pipeline-schedule", "auto"],
-                     "--pipeline-schedule auto"),
+    "experts-auto-sharded": (4, ["--moe-experts", "4", "--pipeline-parallel-size", "2", "--pipeline-schedule", "auto",
+                                 "--expert-parallel-size", "2"], "--expert-parallel-size 2 with the profile"),
     "capacity-negative": (1, ["--moe-experts", "4", "--moe-capacity-factor", "-1"], "--moe-capacity-factor"),
     # the config DeepSpeed would refuse on every rank with an assertion
     "zero-2-with-pipeline": (1, ["--pipeline-parallel-size", "1", "--deepspeed_config", "{zero2}"],

@@ -184,6 +184,41 @@ AUTO = ["--pipeline-parallel-size", "2", "--pipeline-schedule", "auto", "--model
         "--gradient-accumulation-steps", "4", "--micro-batch-size", "2"]
 
 
+def test_experts_shared_by_dualpipes_copies_are_priced_as_they_exchange_tokens():
+    """--dualpipe-experts shard: on the mirror placement each expert layer's forward and backward exchange their
+    tokens twice with the mirrored rank (half of each all-to-all's payload crosses the link each way), a rank holds
+    half the experts, and only the dense gradients are summed between the copies; DualPipe's overlapped pairs hide
+    the exchanges behind the other pass, one after the other they add up. Other placements exchange nothing."""
+    from dataclasses import replace
+
+    from schedules.planner.candidate import simulated
+    from schedules.planner.compose import compose
+    from schedules.registry import schedule_spec
+    base = Profile.synthetic(8, F=0.01, B=0.01, W=0.01, params=1000)
+    base.p2p = {'latency': 1e-4, 'per_byte': 1e-8, 'send': 0.0, 'recv': 0.0, 'reduce_latency': 1e-4,
+                'reduce_per_byte': 2e-8}
+    base.layers = [replace(c, exchanges=1, exchange_bytes=1 << 20, expert_param_bytes=3000) for c in base.layers]
+    spec = schedule_spec("dualpipe")
+    place = spec.placement(2)
+    parts = cut(base, "uniform", place.num_stages)
+    duplicate = compose(replace(base, meta={'dualpipe_experts': 'duplicate'}), place, parts)
+    shard = compose(replace(base, meta={'dualpipe_experts': 'shard'}), place, parts)
+    v = schedule_spec("zb-v").placement(2)
+    assert duplicate['comm'] is None
+    assert compose(replace(base, meta={'dualpipe_experts': 'shard'}), v, cut(base, "uniform", v.num_stages))['comm'] \
+        is None
+    one = 2 * (1e-4 + 1e-8 * (1 << 20) / 2)  # a layer's pass: two all-to-alls
+    assert shard['comm'][(0, 0)] == {'F': pytest.approx(4 * one), 'B': pytest.approx(4 * one)}  # 4 layers a chunk
+    assert duplicate['param_bytes'][0] == 8 * 4000 and shard['param_bytes'][0] == 8 * 4000 - 8 * 1500
+    summed = duplicate['outside'][0] - shard['outside'][0]
+    assert summed == pytest.approx(2e-8 * 8 * 3000)  # the experts' gradients are not all-reduced
+    steps = {overlap: simulated(replace(base, meta={'dualpipe_experts': 'shard', 'overlap': overlap}), spec, None,
+                                'uniform', parts, place, 8).span for overlap in (False, True)}
+    alone = simulated(replace(base, meta={'dualpipe_experts': 'duplicate'}), spec, None, 'uniform', parts, place,
+                      8).span
+    assert alone < steps[True] < steps[False]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("interlock", [1, 2])
@@ -211,6 +246,20 @@ def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
                                          (" ms a pass", " ms a step", " ns a parameter stepped"))
     assert 0 < per_pass < 20 and 0 < per_step < 200 and 0 <= per_parameter < 1e3, chose
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_train_auto_profiles_the_experts_and_prices_dualpipe_sharing_them():
+    """A MoE GPTlite with --dualpipe-experts shard: auto measures its expert layers (the exchanged bytes too),
+    ranks DualPipe with the shared experts' exchanges priced, and trains its pick."""
+    from local_launch import launch
+    run = launch(2, AUTO + ["--steps", "2", "--moe-experts", "4", "--dualpipe-experts", "shard"], timeout=120)
+    assert run.ok, run.explain()
+    out = run.stdout[0]
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert "dualpipe" in [row[1] for row in rows], out
+    assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
 
 
 @pytest.mark.multiprocess

@@ -137,6 +137,39 @@ def test_messages_between_two_ranks_share_their_link():
             simulate(name, 2, 4, latency=5.0, iterations=1).makespan, name
 
 
+@pytest.mark.parametrize('overlap', [False, True])
+def test_collectives_of_a_pass_and_an_overlapped_pair(overlap):
+    """comm: a pass's own collectives (the experts' all-to-alls). Alone, a pass computes then waits for them; in
+    an overlapped pair (DualPipe's forward and backward run as one unit) each computes while the other's are in
+    flight: max(F, cB) + max(B, cF)."""
+    compute = {'F': 1.0, 'B': 1.5, 'W': 0.75}
+    comm = {'F': 2.0, 'B': 0.5}
+    costs = {(r, c): dict(compute) for r in range(2) for c in range(2)}
+    r = simulate('dualpipe', 2, 8, costs=costs, comm={key: dict(comm) for key in costs}, overlap=overlap,
+                 iterations=1)
+    kinds = Counter()
+    for row in r.timeline.ranks:
+        units = {}
+        for p in row:
+            units.setdefault(p.pair, []).append(p) if p.pair is not None else units.setdefault(id(p), [p])
+        for unit in units.values():
+            took = sum(p.duration for p in unit)
+            if len(unit) == 1:
+                (p, ) = unit
+                own = compute.get(p.kind, compute['B'] + compute['W']) + comm.get(p.kind, comm['B'] * (p.kind == 'BW'))
+                assert took == pytest.approx(own), p
+            else:
+                f, b = sorted(unit, key=lambda p: p.kind != 'F')
+                bc = compute['B'] + (compute['W'] if b.kind == 'BW' else 0.0)
+                want = max(compute['F'], comm['B']) + max(bc, comm['F']) if overlap else \
+                    compute['F'] + comm['F'] + bc + comm['B']
+                assert took == pytest.approx(want), (f, b)
+            kinds[len(unit)] += 1
+    assert kinds[2] > 0 and kinds[1] > 0  # pairs and passes alone both checked
+    alone = simulate('dualpipe', 2, 8, costs=costs, iterations=1).makespan
+    assert r.makespan > alone
+
+
 def test_activation_memory_from_measured_pass_deltas():
     """W holding more than the forward saved (linear layers keep their input and output gradient):
     B adds memory. ZB-H1's last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""

@@ -337,6 +337,34 @@ def measured_costs(timeline):
     return _means(((rank, p.chunk), p.kind, p.duration) for rank, p in timeline.passes())
 
 
+def communication_costs(path, iteration=None):
+    """(costs, comm) of a trace file of a run whose passes ran one at a time (no overlapped pairs: --overlap off):
+    the simulator's cost table of each pass's computation (its duration less what it waited for its collectives),
+    and of the collectives a pass had in flight (its `comm`), both means per (rank, chunk) and kind, of one traced
+    step or all. What predicts the same steps overlapped: simulate(..., costs=costs, comm=comm, overlap=True)."""
+    timeline, _ = load_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("comm", "exposed")]
+    inside = {}  # (rank, pass index, cat) -> seconds
+    for e in events:
+        if iteration is not None and e["args"]["iteration"] != iteration:
+            continue
+        at = e["ts"] / 1e6
+        row = timeline.ranks[e["pid"]]
+        for i, p in enumerate(row):
+            if p.start <= at <= p.end:
+                key = (e["pid"], i, e["cat"])
+                inside[key] = inside.get(key, 0.0) + e["dur"] / 1e6
+                break
+    compute, comm = [], []
+    for rank, row in enumerate(timeline.ranks):
+        for i, p in enumerate(row):
+            if iteration is None or p.iteration == iteration:
+                compute.append(((rank, p.chunk), p.kind, p.duration - inside.get((rank, i, "exposed"), 0.0)))
+                comm.append(((rank, p.chunk), p.kind, inside.get((rank, i, "comm"), 0.0)))
+    return _means(compute), _means(comm)
+
+
 def replayed_costs(timeline):
     """Each traced pass's own duration, in each rank's order, per (rank, chunk) and kind: the simulator's cost
     table with lists (its passes take them in turn; each simulated run starts from the first again). Replayed,

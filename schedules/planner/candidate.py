@@ -44,9 +44,10 @@ def simulated(profile, spec, v, method, parts, placement, micro_batches, interlo
     interlock = interlock if spec.engine is not None else 1
     figures = compose(profile, placement, parts)
     p2p = profile.p2p
+    # the experts' all-to-alls (DualPipe's copies sharing them), overlapped in its pairs unless the run turns it off
     common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],
-                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch,
-                  **message_times(p2p, figures['message_bytes']))
+                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch, comm=figures['comm'],
+                  overlap=profile.meta.get('overlap', True), **message_times(p2p, figures['message_bytes']))
     result = simulate(spec.factory, placement.ranks, micro_batches, iterations=1, **common)
     outside = max(figures['outside'])
     bubble = [row['idle_synced'] / result.makespan for row in result.per_rank]

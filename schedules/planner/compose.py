@@ -257,10 +257,41 @@ def compose(profile, placement, parts):
             optimizer[r] += sum(profile.layers[i].optimizer for i in layers)
     message = max((profile.layers[parts[s] - 1].output_bytes for s in range(1, len(parts) - 1)), default=0)
     outside = [o + profile.step_overhead for o in optimizer]  # the step's instructions cost even without parameters
+    comm = None
     if hasattr(placement, 'holders'):  # the mirror: one all-reduce of every gradient with the mirrored rank
         p2p = profile.p2p
         latency, per_byte = (p2p['reduce_latency'], p2p['reduce_per_byte']) if 'reduce_per_byte' in p2p else \
             (2 * p2p['latency'], 2 * p2p['per_byte'])  # a profile without the all-reduce: a message each way
-        outside = [o + latency + per_byte * b for o, b in zip(outside, param_bytes)]
+        summed = param_bytes
+        if shares_experts(profile):
+            comm, held = _shared_experts(profile, placement, parts)
+            # a rank holds half of each of its stages' experts, summed with no other rank's
+            param_bytes = [b - h for b, h in zip(param_bytes, held)]
+            summed = [b - h for b, h in zip(param_bytes, held)]
+        outside = [o + latency + per_byte * b for o, b in zip(outside, summed)]
     return {'costs': costs, 'memory': memory, 'params': params, 'param_bytes': param_bytes,
-            'message_bytes': message, 'outside': outside}
+            'message_bytes': message, 'outside': outside, 'comm': comm}
+
+
+def shares_experts(profile):
+    """Whether DualPipe's two copies of each stage share its experts in the run profiled (train.py
+    --dualpipe-experts shard: half each, every MoE layer's tokens exchanged between the copies) and the profile has
+    any."""
+    return profile.meta.get('dualpipe_experts') == 'shard' and any(c.exchanges for c in profile.layers)
+
+
+def _shared_experts(profile, placement, parts):
+    """({(rank, chunk): {'F': s, 'B': s}}, per rank the expert bytes it does not hold) of the mirror placement with
+    each stage's experts shared by its two copies: a forward exchanges its tokens twice per expert layer (dispatch,
+    combine) with the mirrored rank, its backward twice again, each all-to-all sending half its payload over the
+    link and receiving the other half at once; each rank holds half the experts."""
+    p2p = profile.p2p
+    comm, held = {}, [0] * placement.ranks
+    for r in range(placement.ranks):
+        for c in range(placement.chunks):
+            layers = [profile.layers[i] for i in stage_layers(parts, placement.stage(r, c))]
+            seconds = sum(2 * (layer.exchanges * p2p['latency'] + p2p['per_byte'] * layer.exchange_bytes / 2)
+                          for layer in layers)
+            comm[(r, c)] = {'F': seconds, 'B': seconds}
+            held[r] += sum(layer.expert_param_bytes for layer in layers) // 2
+    return comm, held

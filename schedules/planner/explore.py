@@ -459,7 +459,8 @@ def candidate_run(profile, candidate, stages, micro_batches):
     p2p = profile.p2p
     result = simulate(spec.factory, stages, micro_batches, placement=spec.placement, costs=composed['costs'],
                       memory=composed['memory'], p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch,
-                      iterations=1, **message_times(p2p, composed['message_bytes']))
+                      iterations=1, comm=composed['comm'], overlap=profile.meta.get('overlap', True),
+                      **message_times(p2p, composed['message_bytes']))
     return result, place, composed['memory']
 
 

@@ -54,6 +54,12 @@ class LayerCost:
     # kind -> the most bytes saved above the pass's start while it runs, where that is more than at its end: what a
     # pass holds only while it runs (a split head's recomputed logits in its backward); missing: nothing more
     within: dict = field(default_factory=dict)
+    # a layer with experts (schedules/runtime/moe.py's ExpertLayer): how many expert layers it holds, the bytes of one
+    # all-to-all's payload summed over them (its dispatched tokens; the combine's is as large), and its experts'
+    # parameter bytes: what sharing its experts between ranks exchanges and saves
+    exchanges: int = 0
+    exchange_bytes: int = 0
+    expert_param_bytes: int = 0
 
     @property
     def cost(self):
@@ -239,7 +245,19 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
             return (now() - t0, )
         step, = _typical_times(optimizer_step, repeats, sync)
     return LayerCost(name, f, b, w, bw, saved, sum(p.numel() for p in params),
-                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step, within), nxt
+                     sum(p.numel() * p.element_size() for p in params), _nbytes(nxt), step, within,
+                     **_experts_of(layer)), nxt
+
+
+def _experts_of(layer):
+    """{exchanges, exchange_bytes, expert_param_bytes} of a layer that has run a forward: its ExpertLayers'."""
+    from schedules.runtime.moe import expert_layers, is_expert_name
+    found = list(expert_layers(layer)) if hasattr(layer, 'modules') else []
+    if not found:
+        return {}
+    return {'exchanges': len(found), 'exchange_bytes': sum(e.exchange_bytes for e in found),
+            'expert_param_bytes': sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
+                                      if is_expert_name(n))}
 
 
 def in_situ_times(entries, repeats=7, sync=lambda: None, in_place=False):

@@ -188,6 +188,7 @@ class ExpertLayer(nn.Module):
         self.first_expert = first  # this rank's experts are first .. first + local - 1 of num_experts
         self.aux_loss_coef, self.aux_scale = aux_loss_coef, 1.0
         self.last_aux_loss = None
+        self.exchange_bytes = 0  # bytes of its last forward's dispatched tokens, every rank's share (_route)
 
     def exchanges(self) -> bool:
         """Whether its passes send tokens to other ranks (all-to-all): experts sharded over several."""
@@ -218,6 +219,8 @@ class ExpertLayer(nn.Module):
         capacity = int(capacity)
         slots = _route_slots(indices, locations, experts, capacity)
         dispatched = _sparse_encode(tokens, slots, experts, capacity)
+        # one all-to-all's payload (the combine's is as large): what the profile prices the exchanges of a pass by
+        self.exchange_bytes = dispatched.numel() * dispatched.element_size()
         if ranks > 1:  # dispatch: each rank's tokens to the ranks holding their experts
             dispatched = exchange(dispatched, group)
         dispatched = dispatched.contiguous().reshape(ranks, layer.num_local_experts, -1, width)

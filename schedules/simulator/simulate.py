@@ -117,6 +117,19 @@ def _cost_function(costs):
     return table, 's'
 
 
+def _comm_function(comm):
+    """None, or (rank, chunk, kind) -> seconds of a pass's collectives (simulate's `comm`); 0 where not listed."""
+    if comm is None or callable(comm):
+        return comm
+
+    def table(rank, chunk, kind):
+        c = comm.get((rank, chunk), {})
+        if kind in c:
+            return c[kind]
+        return c.get('B', 0.0) + c.get('W', 0.0) if kind == 'BW' else 0.0
+    return table
+
+
 def _within_function(memory):
     """(rank, chunk, kind) -> bytes a pass holds above its start while it runs beyond what it leaves (a memory
     table's optional 'within': {kind: bytes} per (rank, chunk)); 0 for units and where the table says nothing."""
@@ -144,7 +157,7 @@ def _memory_function(memory):
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
-             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0):
+             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -159,6 +172,12 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     wire: the part of `latency` during which a message holds the link from its rank to its peer (its bytes over the
     link's rate): messages between two ranks then cross one after the other, in the order they met, so two chunks'
     messages on one link share it. 0.0: every message priced alone.
+    comm: the communication lane of the passes: seconds a pass waits for collectives of its own (the experts'
+    all-to-alls of a MoE layer, priced by their bytes over the link), {(rank, chunk): {kind: s}} (a BW without its
+    own: B + W) or f(rank, chunk, kind). A pass alone computes, then waits; with `overlap` the forward and the
+    backward of one pair (DualPipe's ForwardBackwardPass, run as one unit) compute while the other's collectives
+    are in flight: the pair costs max(F, cB) + max(B, cF) (F, B their computation, cF, cB their collectives)
+    where one after the other it costs F + cF + B + cB.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
@@ -232,7 +251,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                          0)]
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
-                      wasted, memo, send_wait, wire)
+                      wasted, memo, send_wait, wire, _comm_function(comm), overlap)
         if n == 1:
             out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages

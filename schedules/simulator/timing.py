@@ -187,12 +187,13 @@ def _columns(prog):
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
-            memo=None, send_wait=None, wire=0.0):
+            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True):
     """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
     ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
     back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params.
     `send_wait`: from a message's rendezvous to its send's completion (None: its arrival, `latency`); `wire`: how
-    long it holds its link."""
+    long it holds its link. `comm(rank, chunk, kind)`: the seconds a pass waits for collectives of its own (the
+    experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm)."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
@@ -214,6 +215,8 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
             costs = np.array([cost(*key) for key in prog.keys], dtype=np.float64)[prog.key_of]
         else:  # taken in turn: in each rank's order
             costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
+        if comm is not None:
+            costs = _with_comm(prog, costs, comm, overlap)
         params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
         var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
         kept = memo.get('first') if memo is not None and n == 0 else None
@@ -238,6 +241,36 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     out.clocks = carry
     out.instructions = sum(prog.instructions for prog, _ in segments)
     return out
+
+
+def _partners(prog):
+    """Per pass of `prog`, the index of the other pass of its instruction's pair (a forward and a backward run as
+    one unit, DualPipe's), or -1. Kept with the program."""
+    found = prog.variants.get('partners')
+    if found is None:
+        found = np.full(len(prog.passes), -1, dtype=np.int64)
+        units = {}
+        for i, t in enumerate(prog.passes):
+            if t[7]:  # paired: its instruction's pair id
+                units.setdefault((t[0], t[6]), []).append(i)
+        for members in units.values():
+            if len(members) == 2:
+                found[members[0]], found[members[1]] = members[1], members[0]
+        prog.variants['partners'] = found
+    return found
+
+
+def _with_comm(prog, costs, comm, overlap):
+    """The passes' times with their collectives: a pass alone waits for its own after its computation (a + c); the
+    two passes of an overlapped pair take turns on the core, each computing while the other's collective is in
+    flight, so the pair costs max(a1, c2) + max(a2, c1) (computation a, collectives c; both the sums when either
+    side has nothing in flight, all of it hidden when each computation outlasts the other's collective)."""
+    extra = np.array([comm(rank, chunk, kind) for rank, chunk, kind, _ in prog.keys], dtype=np.float64)[prog.key_of]
+    if not overlap:
+        return costs + extra
+    partner = _partners(prog)
+    paired = partner >= 0
+    return np.where(paired, np.maximum(costs, extra[np.where(paired, partner, 0)]), costs + extra)
 
 
 def _peaks(prog, memory_of, forward_only, within_of=lambda rank, chunk, kind: 0.0):
