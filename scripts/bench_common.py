@@ -207,6 +207,19 @@ def open_emulated_nodes(count):
     return nodes
 
 
+_PORTS = iter(range(29600, 30600))  # a fresh port each launch across emulated nodes: the last one's may linger
+
+
+def launch_across(nodes, argv, timeout, threads=1):
+    """`python ARGV` as one rank on each emulated node (RANK = node, the process group's store on node 0): every
+    rank's (exit status, stdout, stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
+    results = nodes.run_ranks(argv, next(_PORTS), timeout, threads, cwd=ROOT)
+    if any(code != 0 for code, _, _ in results):
+        raise SystemExit(f"{' '.join(argv[:2])} across the nodes failed:\n" + "\n".join(
+            f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+    return results
+
+
 def visit_rates(nodes, rates, rounds, measured, started):
     """(round, rate) for each link speed of each round, in an order rotating each round, the nodes' links set to it;
     what a transfer then gets is written to `measured[rate]` and printed."""

@@ -32,7 +32,6 @@ MODELS = {  # as the issue that asked for this measured them (deep) and as docs/
              "micro_batches": 8},
     "gptlite": {"flags": ["--model", "gptlite", "--model-size", "small"], "micro_batch_size": 4, "micro_batches": 4},
 }
-PORT = 29400
 
 
 def parse_args(argv=None):
@@ -49,18 +48,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def launch_across(nodes, argv, timeout, threads=1):
-    """`python ARGV` as one rank on each node (RANK = node, the process group's store on node 0): every rank's
-    (exit status, stdout, stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
-    global PORT
-    PORT += 1  # a fresh port each launch: the last one's sockets may linger in TIME_WAIT
-    results = nodes.run_ranks(argv, PORT, timeout, threads, cwd=common.ROOT)
-    if any(code != 0 for code, _, _ in results):
-        raise SystemExit(f"{' '.join(argv[:2])} across the nodes failed:\n" + "\n".join(
-            f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
-    return results
-
-
 def schedule_launch(nodes, args, model, names, weights):
     """benchmark_schedules.py's throughput workers across the nodes: its analysed rows, by schedule."""
     import benchmark_schedules as bs
@@ -72,7 +59,7 @@ def schedule_launch(nodes, args, model, names, weights):
     os.makedirs(wargs.out, exist_ok=True)
     m = spec["micro_batches"]
     with tempfile.TemporaryDirectory(prefix="nodes-") as folder:
-        launch_across(nodes, ["scripts/benchmark_schedules.py", *common.argv(
+        common.launch_across(nodes, ["scripts/benchmark_schedules.py", *common.argv(
             wargs, worker="throughput", micro_batches=[m], schedules=names, worker_out=folder)], args.timeout)
         ranks = [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(2)]
     return bs.analyse_throughput(ranks, wargs, m)["schedules"]
@@ -91,7 +78,7 @@ def train_across(nodes, args, model, extra):
         metrics, config = os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "ds_config.json")
         with open(config, "w") as f:
             json.dump(common.engine_config(spec["micro_batch_size"], spec["micro_batches"]), f)
-        results = launch_across(nodes, ["train.py", *spec["flags"], "--pipeline-parallel-size", "2",
+        results = common.launch_across(nodes, ["train.py", *spec["flags"], "--pipeline-parallel-size", "2",
                                         "--deepspeed_config", config,
                                         "--micro-batch-size", str(spec["micro_batch_size"]),
                                         "--gradient-accumulation-steps", str(spec["micro_batches"]),

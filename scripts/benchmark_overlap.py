@@ -39,7 +39,6 @@ CONFIGS = {  # label -> train.py flags
     "sequential": ["--dualpipe-experts", "shard", "--overlap", "off"],
     "duplicate": ["--dualpipe-experts", "duplicate"],
 }
-PORT = 29600
 UNTHROTTLED = 15e9  # bits per second a transfer gets between the emulated nodes without a limit (12-20 measured)
 LINK_LATENCY = 1e-4  # a small message's one-way time between them, seconds
 
@@ -56,23 +55,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_across(nodes, args, model, flags, predict=False):
+def run_across(nodes, args, model, flags, predict=False, name="run"):
     """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
-    with `predict` the simulator's steps from this run's trace (predicted))."""
-    global PORT
+    with `predict` the simulator's steps from this run's trace (predicted)). The trace is kept as
+    OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
     from schedules.observe.trace import exposed_communication
     spec = MODELS[model]
-    PORT += 1  # a fresh port each launch: the last one's sockets may linger in TIME_WAIT
+    os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
+    trace = os.path.join(args.out, "traces", f"{name}.json")
     with tempfile.TemporaryDirectory(prefix="overlap-") as folder:
-        metrics, trace = os.path.join(folder, "metrics.jsonl"), os.path.join(folder, "trace.json")
+        metrics = os.path.join(folder, "metrics.jsonl")
         argv = ["train.py", *spec["flags"], *flags, "--pipeline-parallel-size", "2", "--pipeline-schedule",
                 "dualpipe", "--micro-batch-size", str(spec["micro_batch_size"]), "--gradient-accumulation-steps",
                 str(spec["micro_batches"]), "--steps", str(args.steps), "--trace", trace, "--trace-steps",
                 str(args.steps - 2), "--log-interval", "1", "--eval-interval", "0", "--metrics-file", metrics]
-        results = nodes.run_ranks(argv, PORT, args.timeout, 1, cwd=common.ROOT)
-        if any(code != 0 for code, _, _ in results):
-            raise SystemExit("train.py across the nodes failed:\n" + "\n".join(
-                f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+        common.launch_across(nodes, argv, args.timeout)
         times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
         comm = exposed_communication(trace)
         forecast = predicted(trace, model, nodes.rate or UNTHROTTLED, statistics.median(times)) if predict else None
@@ -83,21 +80,16 @@ def auto_predicted(nodes, args, model):
     """What `--pipeline-schedule auto` predicts for DualPipe with the experts shared (overlapped, sequential) and
     duplicated, from a profile measured across the nodes as train.py's auto measures it (choose_schedule.py's
     worker: the layers, their exchanged bytes, the link): {label: seconds per step}, the best cut of each."""
-    global PORT
     from dataclasses import replace
 
     from schedules.planner.choose import choose
     from schedules.planner.profile import Profile
     spec = MODELS[model]
-    PORT += 1
     with tempfile.TemporaryDirectory(prefix="overlap-profile-") as folder:
         path = os.path.join(folder, "profile.json")
         argv = ["scripts/choose_schedule.py", "--worker", "--save", path, *spec["flags"], "--micro-batch-size",
                 str(spec["micro_batch_size"]), "--gradient-accumulation-steps", str(spec["micro_batches"])]
-        results = nodes.run_ranks(argv, PORT, args.timeout, 1, cwd=common.ROOT)
-        if any(code != 0 for code, _, _ in results):
-            raise SystemExit("profiling across the nodes failed:\n" + "\n".join(
-                f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+        common.launch_across(nodes, argv, args.timeout)
         profile = Profile.load(path)
     layouts = {"overlapped": ("shard", True), "sequential": ("shard", False), "duplicate": ("duplicate", True)}
     return {label: choose(replace(profile, meta=dict(profile.meta, dualpipe_experts=experts, overlap=overlap)), 2,
@@ -128,7 +120,8 @@ def predicted(trace, model, rate, step):
         width, tokens = size.n_embd, size.block_size
     wire = spec["micro_batch_size"] * tokens * width * 4 * 8 / rate  # an activation or its gradient on the link
     links = dict(latency=LINK_LATENCY + wire, wire=wire, send_wait=LINK_LATENCY)
-    return {label: simulate("dualpipe", 2, spec["micro_batches"], costs=costs, comm=comm, overlap=label == "overlapped",
+    return {label: simulate("dualpipe", 2, spec["micro_batches"], costs=costs, comm=comm,
+                            overlap=label == "overlapped",
                             dispatch=dispatch, iterations=1, **links).makespan + outside
             for label in ("sequential", "overlapped")}
 
@@ -159,7 +152,8 @@ def table(record):
     for model, per_rate in record["results"].items():
         spec = MODELS[model]
         lines += ["", f"**{model}** (DualPipe, 2 ranks, m = {spec['micro_batches']}, micro-batch "
-                      f"{spec['micro_batch_size']}): median step ms / the simulator's from the sequential run's trace / "
+                      f"{spec['micro_batch_size']}): median step ms / the simulator's from the sequential run's "
+                      f"trace / "
                       f"auto's from its profile across the nodes; communication exposed / in flight per step, ms "
                       f"(rank 0, rank 1)", "",
                   "| link | overlapped | sequential | speed-up | exposed overlapped | exposed sequential | "
@@ -211,7 +205,8 @@ def main(argv=None):
                         for other, figure in auto_predicted(nodes, args, model).items():
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)
-                    step, comm, forecast = run_across(nodes, args, model, CONFIGS[label], label == "sequential")
+                    step, comm, forecast = run_across(nodes, args, model, CONFIGS[label], label == "sequential",
+                                                      f"{model}-{rate}-{label}-{rnd}")
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each

@@ -14,7 +14,8 @@ def test_the_table_shows_overlapped_beside_sequential_and_the_exposed_communicat
     cell = lambda step, exposed, *guess: {"step_s": step, "comm": {"0": [exposed, 0.5], "1": [exposed, 0.6]},  # noqa
                                           **({"predicted": [guess[0]], "auto": [guess[1]]} if guess else {})}
     record = {"machine": "2-core test machine", "rates": ["1gbit"], "measured_rate": {"1gbit": "990 Mbit/s"},
-              "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2, 0.95, 0.85), "sequential": cell(1.2, 0.7, 1.1, 1.3),
+              "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2, 0.95, 0.85),
+                                             "sequential": cell(1.2, 0.7, 1.1, 1.3),
                                              "duplicate": cell(0.4, 0.0)}}},
               "parameter_bytes": {"deep": {"shard": 3 << 20, "duplicate": 5 << 20, "dense": 1 << 20,
                                            "experts": 4 << 20}}}

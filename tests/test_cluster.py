@@ -103,6 +103,28 @@ def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
     assert profile["recv"] < 0.3 * wire, profile
     # the sockets' buffers take a 128 KiB message at once: its blocking send returns before the wire carried it
     assert (128 << 10) <= profile["buffered"] <= (1 << 20), profile
+    # an all-to-all between the two moves half of each rank's payload across, both ways at once
+    assert 0.35 < profile["a2a_per_byte"] / (8 / 200e6) < 0.8, profile
+    assert not namespaces_of(os.getpid())
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+def test_the_readmes_moe_gptlite_trains_overlapped_across_two_nodes(tmp_path):
+    """The README's command (tiny, 2 steps): DualPipe's copies share each stage's experts and exchange their tokens
+    over the 1 Gbit/s link, the pairs overlapped (the default), and the losses are the sequential pairs'."""
+    readme = ["--moe-experts", "4", "--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipe",
+              "--dualpipe-experts", "shard", "--gradient-accumulation-steps", "8"]
+    assert " ".join(readme) in (ROOT / "README.md").read_text().replace(" \\\n    ", " ")
+    got = {}
+    for overlap in ("on", "off"):
+        metrics = tmp_path / f"{overlap}.jsonl"
+        status, lines = cluster(["--nodes", 2, "--link", "1gbit", "--timeout", 200, "--", "train.py", *readme, *TINY,
+                                 "--micro-batch-size", "2", "--steps", 2, "--log-interval", "1", "--overlap", overlap,
+                                 "--metrics-file", metrics])
+        assert status == 0, "\n".join(lines[-30:])
+        got[overlap] = losses(metrics)
+    assert sorted(got["on"]) == [1, 2] and got["on"] == got["off"]
     assert not namespaces_of(os.getpid())
 
 

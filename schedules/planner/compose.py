@@ -284,14 +284,17 @@ def _shared_experts(profile, placement, parts):
     """({(rank, chunk): {'F': s, 'B': s}}, per rank the expert bytes it does not hold) of the mirror placement with
     each stage's experts shared by its two copies: a forward exchanges its tokens twice per expert layer (dispatch,
     combine) with the mirrored rank, its backward twice again, each all-to-all sending half its payload over the
-    link and receiving the other half at once; each rank holds half the experts."""
+    link and receiving the other half; each rank holds half the experts. An all-to-all is priced as the profile
+    measured one between the ranks (`a2a_latency` + `a2a_per_byte` x its payload), or, in a profile without it, as
+    a message of half its payload each way."""
     p2p = profile.p2p
+    latency, per_byte = (p2p['a2a_latency'], p2p['a2a_per_byte']) if 'a2a_per_byte' in p2p else \
+        (p2p['latency'], p2p['per_byte'] / 2)
     comm, held = {}, [0] * placement.ranks
     for r in range(placement.ranks):
         for c in range(placement.chunks):
             layers = [profile.layers[i] for i in stage_layers(parts, placement.stage(r, c))]
-            seconds = sum(2 * (layer.exchanges * p2p['latency'] + p2p['per_byte'] * layer.exchange_bytes / 2)
-                          for layer in layers)
+            seconds = sum(2 * (layer.exchanges * latency + per_byte * layer.exchange_bytes) for layer in layers)
             comm[(r, c)] = {'F': seconds, 'B': seconds}
             held[r] += sum(layer.expert_param_bytes for layer in layers) // 2
     return comm, held

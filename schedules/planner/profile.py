@@ -250,14 +250,13 @@ def measure_layer(layer, x, name, repeats=7, optimizer=None, sync=lambda: None, 
 
 
 def _experts_of(layer):
-    """{exchanges, exchange_bytes, expert_param_bytes} of a layer that has run a forward: its ExpertLayers'."""
-    from schedules.runtime.moe import expert_layers, is_expert_name
-    found = list(expert_layers(layer)) if hasattr(layer, 'modules') else []
+    """{exchanges, exchange_bytes, expert_param_bytes} of a layer that has run a forward: its expert layers' (the
+    modules reporting `exchange_bytes` and `expert_param_bytes()`: schedules.ExpertLayer, or one of your own)."""
+    found = [m for m in layer.modules() if hasattr(m, 'exchange_bytes')] if hasattr(layer, 'modules') else []
     if not found:
         return {}
     return {'exchanges': len(found), 'exchange_bytes': sum(e.exchange_bytes for e in found),
-            'expert_param_bytes': sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
-                                      if is_expert_name(n))}
+            'expert_param_bytes': sum(e.expert_param_bytes() for e in found)}
 
 
 def in_situ_times(entries, repeats=7, sync=lambda: None, in_place=False):
@@ -463,13 +462,15 @@ def measure_step(numel, optimizer, clip=True, repeats=3, device=None, sync=lambd
 # ----------------------------------------------------------------------------------------------
 # The job: point-to-point messages and the engine's own work per pass
 
-def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
+def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes=2 << 20):
     """{'latency', 'per_byte', 'send', 'recv', 'reduce_latency', 'reduce_per_byte'} between ranks 0 and 1 of
     the default process group: one-way time of a 4-byte message by ping-pong (latency) and the slope per byte
     up to a message of max(`nbytes`, 1 MiB); the time posting a send of `nbytes` takes on its rank, and the
     time a receive takes once its sender waits beyond the message's one-way time (the wire time is the
     latency's, which the simulator charges between the two: counted here too, a slow link's was paid twice);
-    an all-reduce of 4 bytes and of `reduce_bytes` over all ranks (what DualPipe's gradient sum costs). The
+    an all-reduce of 4 bytes and of `reduce_bytes` over all ranks (what DualPipe's gradient sum costs); an
+    all-to-all of a few bytes and of `a2a_bytes` a rank (a2a_latency, a2a_per_byte: per byte of what each rank puts
+    in: the experts' exchange of tokens). The
     least time of the repeats. Every rank of the group calls it, and gets the same figures."""
     import torch
     import torch.distributed as dist
@@ -529,20 +530,36 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20):
             t0 = time.perf_counter()
             dist.recv(message, 0)
             recvs.append(time.perf_counter() - t0)
+    def all_to_all(n, repeats=3):  # an all-to-all of `n` floats a rank (the experts' exchange of tokens)
+        x = torch.zeros(n, device=device)
+        out = torch.empty_like(x)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(out, x)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
     reduce_small = all_reduce(torch.zeros(1, device=device))
     reduce_big = all_reduce(torch.zeros(reduce_bytes // 4, device=device), 3)
+    world = dist.get_world_size()
+    a2a_floats = (a2a_bytes // 4) // world * world
+    a2a_small, a2a_big = all_to_all(world), all_to_all(a2a_floats)
     per_byte = (lat_big - lat_small) / max(big.numel() * 4 - 4, 1)
     # the bytes the transport takes before the wire has carried them (the sockets' buffers): a send of `big`
     # returned that much wire time before the message's one-way time
     buffered = big.numel() * 4 - max(send_big - lat_small, 0.0) / per_byte if per_byte > 0 else float(big.numel() * 4)
     mine = [lat_small, per_byte, min(sends) if sends else 0.0, min(recvs) if recvs else 0.0, reduce_small,
-            (reduce_big - reduce_small) / reduce_bytes, min(max(buffered, 0.0), big.numel() * 4)]
+            (reduce_big - reduce_small) / reduce_bytes, min(max(buffered, 0.0), big.numel() * 4), a2a_small,
+            (a2a_big - a2a_small) / (4 * a2a_floats - 4 * world)]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # every rank gets rank 0's and rank 1's figures
     one_way = every[0][0] + max(every[0][1], 0.0) * (nbytes - 4)
     return {'latency': every[0][0], 'per_byte': max(every[0][1], 0.0), 'send': every[0][2],
             'recv': max(every[1][3] - one_way, 0.0),
-            'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0), 'buffered': every[0][6]}
+            'reduce_latency': every[0][4], 'reduce_per_byte': max(every[0][5], 0.0), 'buffered': every[0][6],
+            'a2a_latency': every[0][7], 'a2a_per_byte': max(every[0][8], 0.0)}
 
 
 def message_times(p2p, nbytes):

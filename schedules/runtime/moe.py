@@ -190,6 +190,10 @@ class ExpertLayer(nn.Module):
         self.last_aux_loss = None
         self.exchange_bytes = 0  # bytes of its last forward's dispatched tokens, every rank's share (_route)
 
+    def expert_param_bytes(self) -> int:
+        """Bytes of the experts this rank holds (what sharing them between ranks saves a rank)."""
+        return sum(p.numel() * p.element_size() for p in self.moe.deepspeed_moe.experts.parameters())
+
     def exchanges(self) -> bool:
         """Whether its passes send tokens to other ranks (all-to-all): experts sharded over several."""
         return self.copies > 1 or self.moe.deepspeed_moe.ep_size > 1

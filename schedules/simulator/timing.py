@@ -201,7 +201,8 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     send_cpu, recv_cpu = p2p_cpu
     parts = [step_parts(r) for r in range(p)]
     dispatches = [dispatch.get(r, 0.0) for r in range(p)]
-    head = ([0.0, latency, send_cpu, recv_cpu, latency if send_wait is None else send_wait, wire] + [0.0] * p + dispatches + [b for b, _ in parts]
+    head = ([0.0, latency, send_cpu, recv_cpu, latency if send_wait is None else send_wait, wire] + [0.0] * p
+            + dispatches + [b for b, _ in parts]
             + [a for _, a in parts])
     nonneg = latency >= 0 and recv_cpu >= 0
     common = (all(x == 0 for x in dispatches), send_cpu == 0, recv_cpu == 0, all(b == 0 for b, _ in parts),
