@@ -32,11 +32,8 @@ def layer_builders(args):
     from layers import build_layer
     if args.model == "deep":
         import deep_model
-        from validation import moe_config
-        # each expert layer whole, on this rank (no exchange): sharing them between ranks is priced by compose
-        experts = dict(moe_config(args), expert_parallel_size=1) if getattr(args, "moe_experts", 0) else {}
         specs = deep_model.layer_specs(deep_model.DeepConfig(width=args.deep_width, depth=args.deep_depth,
-                                                             seed=args.seed, **experts))
+                                                             seed=args.seed, **measured_experts(args)))
         seed = args.seed
     else:
         import gptlite
@@ -45,15 +42,20 @@ def layer_builders(args):
     return [(cls.__name__, lambda i=i: build_layer(specs, i, seed)) for i, (cls, _) in enumerate(specs)]
 
 
+def measured_experts(args):
+    """The model config's Mixture-of-Experts fields as the profile builds them: each expert layer whole on the rank
+    measuring it (no exchange; compose prices sharing the experts between ranks); {} for a dense model."""
+    from validation import moe_config
+    return dict(moe_config(args), expert_parallel_size=1) if getattr(args, "moe_experts", 0) else {}
+
+
 def gptlite_config(args):
     """The GPTliteConfig train.py builds from these flags."""
     import gptlite
-    from validation import moe_config
     config = gptlite.MODEL_SIZES[args.model_size]
-    experts = dict(moe_config(args), expert_parallel_size=1) if getattr(args, "moe_experts", 0) else {}
     return replace(config, n_layer=args.n_layer or config.n_layer, dropout=args.dropout, seed=args.seed,
                    block_size=getattr(args, "block_size", None) or config.block_size,
-                   head=getattr(args, "head", "chunked"), **experts)  # the head that runs is the head measured
+                   head=getattr(args, "head", "chunked"), **measured_experts(args))  # the head measured is the one run
 
 
 def slice_builders(args, parts, recompute=True):

@@ -37,17 +37,23 @@ class Candidate:
         return self.cut.split('=')[0]
 
 
+def simulator_inputs(profile, figures):
+    """simulate's keyword arguments for `compose`'s `figures` of `profile`: costs, memory, the links' times
+    (message_times), the engine's own work, and the experts' all-to-alls (DualPipe's copies sharing them),
+    overlapped in its pairs unless the run profiled turns it off."""
+    p2p = profile.p2p
+    return dict(costs=figures['costs'], memory=figures['memory'], p2p_cpu=(p2p['send'], p2p['recv']),
+                dispatch=profile.dispatch, comm=figures['comm'], overlap=profile.meta.get('overlap', True),
+                **message_times(p2p, figures['message_bytes']))
+
+
 def simulated(profile, spec, v, method, parts, placement, micro_batches, interlock=1, validation="wait"):
     """The Candidate of registry row `spec` (v virtual stages) on the cut `parts` (by `method`) of `profile`'s
     layers, `placement` an instance for the run's ranks. DeepSpeed's own engines (no engine of ours in the row)
     synchronise every step: `interlock` counts only on ours."""
     interlock = interlock if spec.engine is not None else 1
     figures = compose(profile, placement, parts)
-    p2p = profile.p2p
-    # the experts' all-to-alls (DualPipe's copies sharing them), overlapped in its pairs unless the run turns it off
-    common = dict(placement=spec.placement, costs=figures['costs'], memory=figures['memory'],
-                  p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch, comm=figures['comm'],
-                  overlap=profile.meta.get('overlap', True), **message_times(p2p, figures['message_bytes']))
+    common = dict(placement=spec.placement, **simulator_inputs(profile, figures))
     result = simulate(spec.factory, placement.ranks, micro_batches, iterations=1, **common)
     outside = max(figures['outside'])
     bubble = [row['idle_synced'] / result.makespan for row in result.per_rank]

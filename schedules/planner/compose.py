@@ -265,9 +265,10 @@ def compose(profile, placement, parts):
         summed = param_bytes
         if shares_experts(profile):
             comm, held = _shared_experts(profile, placement, parts)
-            # a rank holds half of each of its stages' experts, summed with no other rank's
+            # a rank holds half of each of its stages' experts (`held` the other half), summed with no other rank's:
+            # only the dense gradients are all-reduced
+            summed = [b - 2 * h for b, h in zip(param_bytes, held)]
             param_bytes = [b - h for b, h in zip(param_bytes, held)]
-            summed = [b - h for b, h in zip(param_bytes, held)]
         outside = [o + latency + per_byte * b for o, b in zip(outside, summed)]
     return {'costs': costs, 'memory': memory, 'params': params, 'param_bytes': param_bytes,
             'message_bytes': message, 'outside': outside, 'comm': comm}

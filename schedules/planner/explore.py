@@ -46,9 +46,10 @@ from schedules.observe.trace import (
     predict,
     write_chrome_trace,
 )
+from schedules.planner.candidate import simulator_inputs
 from schedules.planner.choose import MiB, choose, table, to_json
 from schedules.planner.compose import compose, split_head
-from schedules.planner.profile import Profile, message_times
+from schedules.planner.profile import Profile
 from schedules.registry import available_schedules, schedule_spec
 from schedules.simulator.simulate import _memory_function, _within_function, simulate
 from schedules.simulator.timeline import Pass, Timeline
@@ -456,11 +457,8 @@ def candidate_run(profile, candidate, stages, micro_batches):
     if candidate.vocab_parallel:  # its parts cut the model with the head split into a slice per rank
         profile = split_head(profile, stages)
     composed = compose(profile, place, candidate.parts)
-    p2p = profile.p2p
-    result = simulate(spec.factory, stages, micro_batches, placement=spec.placement, costs=composed['costs'],
-                      memory=composed['memory'], p2p_cpu=(p2p['send'], p2p['recv']), dispatch=profile.dispatch,
-                      iterations=1, comm=composed['comm'], overlap=profile.meta.get('overlap', True),
-                      **message_times(p2p, composed['message_bytes']))
+    result = simulate(spec.factory, stages, micro_batches, placement=spec.placement, iterations=1,
+                      **simulator_inputs(profile, composed))
     return result, place, composed['memory']
 
 
