@@ -1211,8 +1211,19 @@ def render(bench_dir=BENCH_DIR) -> str:
 
 
 def publish(record, name):
-    """A benchmark's `--docs`: its JSON record becomes docs/bench/NAME.json, and this page is rendered anew."""
-    with open(os.path.join(BENCH_DIR, f"{name}.json"), "w") as f:
+    """A benchmark's `--docs`: its JSON record becomes docs/bench/NAME.json, and this page is rendered anew.
+
+    The run history the file already holds (its `notes`: earlier runs, published figures since replaced) is
+    kept beside the new record, so a re-run never erases what the docs cite."""
+    path = os.path.join(BENCH_DIR, f"{name}.json")
+    try:
+        with open(path) as f:
+            notes = json.load(f).get("notes")
+    except (FileNotFoundError, ValueError, AttributeError):
+        notes = None
+    if isinstance(notes, dict) and isinstance(record.get("notes", {}), dict):
+        record = {**record, "notes": {**notes, **record.get("notes", {})}}
+    with open(path, "w") as f:
         json.dump(record, f, indent=1)
     return main([])
 

@@ -95,3 +95,16 @@ def test_an_interlock_run_is_titled_by_its_file_name():
     assert docs.interlock_title("interlock-timed-p4-zero1-bf16-clipping-off.json") == \
         "## Interlocked steps at p = 4, ZeRO 1, bf16, passes of set times, clipping off, paired round by round"
     assert set(docs.INTERLOCK_RUNS) <= set(docs.INPUTS)
+
+
+def test_publishing_a_rerun_keeps_the_run_history_in_the_file(tmp_path, monkeypatch):
+    docs = renderer()
+    monkeypatch.setattr(docs, "BENCH_DIR", str(tmp_path))
+    monkeypatch.setattr(docs, "main", lambda argv: 0)  # the page itself is rendered by the test above
+    (tmp_path / "x.json").write_text(json.dumps({"table": ["old"], "notes": {"first_run": {"table": ["older"]}}}))
+    docs.publish({"table": ["new"], "notes": {"this_run": "why"}}, "x")
+    written = json.loads((tmp_path / "x.json").read_text())
+    assert written["table"] == ["new"]
+    assert written["notes"] == {"first_run": {"table": ["older"]}, "this_run": "why"}
+    docs.publish({"table": ["newer"]}, "y")  # no file before: the record as it is
+    assert json.loads((tmp_path / "y.json").read_text()) == {"table": ["newer"]}
