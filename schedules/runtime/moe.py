@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from schedules.runtime.overlap import exchange
+from schedules.runtime.overlap import all_reduce_max, exchange
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -212,14 +212,21 @@ class ExpertLayer(nn.Module):
         from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
         layer = self.moe.deepspeed_moe
         group, ranks = (layer.ep_group, layer.ep_size) if self.copies == 1 else (self.exchange_group, self.copies)
-        if self.copies > 1:
-            if group is None:
-                raise RuntimeError("an ExpertLayer shared by a stage's copies has no group: build the engine with "
-                                   "schedules.initialize")
-            layer.gate.ep_group = group  # its capacity (no token dropped: the largest load) is the copies' largest
+        if self.copies > 1 and group is None:
+            raise RuntimeError("an ExpertLayer shared by a stage's copies has no group: build the engine with "
+                               "schedules.initialize")
+        # No token dropped: each expert's capacity is the group's largest load, which DeepSpeed's gate agrees on
+        # with a blocking all-reduce. Here the gate sees no group and returns this rank's largest load, and the
+        # group's largest comes from an asynchronous all-reduce that hands an overlapped pair's turn over like the
+        # exchanges do: the same capacity (top-1's bound by the token count is the same on every rank).
+        agree = ranks > 1 and not layer.gate.drop_tokens
+        if agree:
+            layer.gate.ep_group = None
         width = x.shape[-1]
         tokens = x.reshape(-1, width)
         aux, capacity, experts, indices, locations, gates, layer.exp_counts = layer.gate(tokens, None, True, False)
+        if agree:
+            capacity = all_reduce_max(torch.as_tensor(capacity, dtype=torch.int64).reshape(1), group)
         capacity = int(capacity)
         slots = _route_slots(indices, locations, experts, capacity)
         dispatched = _sparse_encode(tokens, slots, experts, capacity)

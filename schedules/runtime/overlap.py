@@ -118,6 +118,16 @@ def all_to_all(x, group):
     return out
 
 
+def all_reduce_max(x, group, name="capacity"):
+    """The largest of every rank's `x` (a tensor) over `group`, asynchronous like `all_to_all`: inside a pair the
+    other pass computes while it is in flight, where a blocking all-reduce would hold the turn until every rank of
+    the group reached it."""
+    x = x.clone()
+    issued = time.perf_counter() if _observers else None
+    wait_for(dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=True), name=name, issued=issued)
+    return x
+
+
 class _Exchange(torch.autograd.Function):
     """An all-to-all of equal splits whose backward is the same all-to-all of the gradient (DeepSpeed's _AllToAll),
     both through `all_to_all`, so that an overlapped pair hands the turn over while either is in flight."""
