@@ -161,7 +161,7 @@ def main(argv=None):
         weights["gptlite"] = bs.gptlite_layer_costs(argparse.Namespace(
             model_size=MODELS["gptlite"]["flags"][3], micro_batch_size=MODELS["gptlite"]["micro_batch_size"],
             device="cpu"))
-    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
+    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "auto": {m: {} for m in args.models}, "args": vars(args)}
     nodes = common.open_emulated_nodes(2)

@@ -192,7 +192,7 @@ def main(argv=None):
             "--model", "gptlite", "--model-size", "tiny", "--moe-experts", "4", "--moe-capacity-factor", "0",
             "--partition-method", "uniform"])
     machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))
-    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc tbf links), one rank each",
+    record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
     started = time.time()
