@@ -25,13 +25,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
 import bench_common as common  # noqa: E402
 
-RATES = ["off", "2gbit", "1gbit", "500mbit"]
+RATES = ["off", "1gbit", "500mbit", "250mbit"]  # the all-to-all about 0.5x, 1x and 2x the computation (deep)
 MODELS = {  # the deep model's blocks each a dense layer and 4 experts (top-1); GPTlite small with 4 experts (top-2)
-    "deep": {"flags": ["--model", "deep", "--deep-width", "256", "--deep-depth", "16", "--moe-experts", "4",
-                       "--moe-top-k", "1", "--moe-capacity-factor", "0"],
-             "micro_batch_size": 512, "micro_batches": 16},
+    # Wide enough that a micro-batch's computation matches its all-to-all at a link this host's kernel carries
+    # without spending the cores on it (about 500 Mbit/s; at width 256 it was near 2 Gbit/s). Capacity factor 1,
+    # DeepSpeed's default: each expert takes an even share of the micro-batch, so an all-to-all carries its tokens
+    # once (none dropped pads every expert to the largest load, up to 4x the bytes with an untrained gate).
+    "deep": {"flags": ["--model", "deep", "--deep-width", "1024", "--deep-depth", "8", "--moe-experts", "4",
+                       "--moe-top-k", "1", "--moe-capacity-factor", "1"],
+             "micro_batch_size": 256, "micro_batches": 16},
     "gptlite": {"flags": ["--model", "gptlite", "--model-size", "small", "--moe-experts", "4", "--moe-top-k", "2",
-                          "--moe-capacity-factor", "0", "--partition-method", "uniform"],
+                          "--moe-capacity-factor", "1", "--partition-method", "uniform"],
                 "micro_batch_size": 8, "micro_batches": 16},
 }
 CONFIGS = {  # label -> train.py flags
@@ -39,7 +43,6 @@ CONFIGS = {  # label -> train.py flags
     "sequential": ["--dualpipe-experts", "shard", "--overlap", "off"],
     "duplicate": ["--dualpipe-experts", "duplicate"],
 }
-UNTHROTTLED = 15e9  # bits per second a transfer gets between the emulated nodes without a limit (12-20 measured)
 LINK_LATENCY = 1e-4  # a small message's one-way time between them, seconds
 
 
@@ -72,8 +75,21 @@ def run_across(nodes, args, model, flags, predict=False, name="run"):
         common.launch_across(nodes, argv, args.timeout)
         times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
         comm = exposed_communication(trace)
-        forecast = predicted(trace, model, nodes.rate or UNTHROTTLED, statistics.median(times)) if predict else None
+        # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s measured): measured
+        rate = nodes.rate or nodes.measure()
+        forecast = predicted(trace, model, rate, statistics.median(times)) if predict else None
+        if predict:
+            forecast["ratio"] = communication_ratio(trace, comm)
     return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast
+
+
+def communication_ratio(trace, comm):
+    """A traced step's all-to-all time over its computation, from a run of the pairs one pass after the other
+    (every all-to-all waited for): the exposed time over the rest of the passes' span, the larger rank's."""
+    from schedules.observe.trace import load_chrome_trace
+    timeline, _ = load_chrome_trace(trace)
+    span = statistics.median(t1 - t0 for t0, t1 in (timeline.span(i) for i in timeline.iterations()))
+    return max(exposed / (span - exposed) for exposed, _ in comm.values())
 
 
 def auto_predicted(nodes, args, model):
@@ -156,11 +172,11 @@ def table(record):
                       f"trace / "
                       f"auto's from its profile across the nodes; communication exposed / in flight per step, ms "
                       f"(rank 0, rank 1)", "",
-                  "| link | overlapped | sequential | speed-up | exposed overlapped | exposed sequential | "
-                  "duplicate experts |", "|---|---|---|---|---|---|---|"]
+                  "| link | all-to-all : computation | overlapped | sequential | speed-up | exposed overlapped | "
+                  "exposed sequential | duplicate experts |", "|---|---|---|---|---|---|---|---|"]
         for rate in record["rates"]:
             c = per_rate.get(rate)
-            if not c:
+            if not c or "overlapped" not in c:
                 continue
             on, off, dup = c["overlapped"], c["sequential"], c.get("duplicate")
 
@@ -171,7 +187,8 @@ def table(record):
                 guess = "".join(f" / {statistics.median(cell[key]) * 1e3:.0f}" if cell.get(key) else " / -"
                                 for key in ("predicted", "auto"))
                 return f"{cell['step_s'] * 1e3:.0f}{guess}"
-            lines.append(f"| {rate} | {step(on)} | {step(off)} | "
+            ratio = f"{statistics.median(c['ratio']):.2f}" if c.get("ratio") else "-"
+            lines.append(f"| {rate} | {ratio} | {step(on)} | {step(off)} | "
                          f"{off['step_s'] / on['step_s']:.2f}x | {comm(on)} | {comm(off)} | "
                          + (f"{step(dup)} |" if dup else "|"))
         sizes = record["parameter_bytes"].get(model)
@@ -210,6 +227,7 @@ def main(argv=None):
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each
+                        record["results"][model][rate].setdefault("ratio", []).append(forecast.pop("ratio"))
                         for other, figure in forecast.items():
                             record["results"][model][rate].setdefault(other, {"runs": []}).setdefault(
                                 "predicted", []).append(figure)

@@ -16,18 +16,18 @@ def test_the_table_shows_overlapped_beside_sequential_and_the_exposed_communicat
     record = {"machine": "2-core test machine", "rates": ["1gbit"], "measured_rate": {"1gbit": "990 Mbit/s"},
               "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2, 0.95, 0.85),
                                              "sequential": cell(1.2, 0.7, 1.1, 1.3),
-                                             "duplicate": cell(0.4, 0.0)}}},
+                                             "duplicate": cell(0.4, 0.0), "ratio": [1.04]}}},
               "parameter_bytes": {"deep": {"shard": 3 << 20, "duplicate": 5 << 20, "dense": 1 << 20,
                                            "experts": 4 << 20}}}
     text = "\n".join(bo.table(record))
-    assert "| 1gbit | 900 / 950 / 850 | 1200 / 1100 / 1300 | 1.33x | 200 / 500, 200 / 600 | 700 / 500, 700 / 600 | " \
-        "400 / - / - |" in text
+    assert "| 1gbit | 1.04 | 900 / 950 / 850 | 1200 / 1100 / 1300 | 1.33x | 200 / 500, 200 / 600 | " \
+        "700 / 500, 700 / 600 | 400 / - / - |" in text
     assert "experts shared by the copies 3.0 MiB, duplicated 5.0 MiB" in text
 
 
 def test_sharing_the_experts_halves_their_bytes_per_rank():
     sizes = bo.parameter_bytes("deep")
-    width, depth, experts = 256, 16, 4
+    width, depth, experts = 1024, 8, 4
     dense = depth * (width * width + width + width * experts) * 4  # each block's dense layer and gate
     assert sizes["dense"] == dense and sizes["experts"] == depth * experts * (width * width + width) * 4
     assert sizes["duplicate"] - sizes["shard"] == pytest.approx(sizes["experts"] / 2)
