@@ -58,10 +58,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_across(nodes, args, model, flags, predict=False, name="run"):
+def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=None):
     """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
-    with `predict` the simulator's steps from this run's trace (predicted)). The trace is kept as
-    OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
+    with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there). The trace is kept
+    as OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
     from schedules.observe.trace import exposed_communication
     spec = MODELS[model]
     os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
@@ -77,7 +77,7 @@ def run_across(nodes, args, model, flags, predict=False, name="run"):
         comm = exposed_communication(trace)
         # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s measured): measured
         rate = nodes.rate or nodes.measure()
-        forecast = predicted(trace, model, rate, statistics.median(times)) if predict else None
+        forecast = predicted(trace, model, rate, statistics.median(times), comm_cpu) if predict else None
         if predict:
             forecast["ratio"] = communication_ratio(trace, comm)
     return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast
@@ -113,12 +113,14 @@ def auto_predicted(nodes, args, model):
             for label, (experts, overlap) in layouts.items()}
 
 
-def predicted(trace, model, rate, step):
+def predicted(trace, model, rate, step, comm_cpu=None):
     """The simulator's step for DualPipe's pairs run one pass after the other and overlapped, from the trace of a
     run of them one after the other (`step` its median step): each pass's computation and the all-to-alls it had
     in flight (trace.communication_costs), the engine's own work per pass, the pipeline's messages priced by their
     bytes over the link's `rate` (bits per second); what the run spent outside its passes' span (the optimizer
-    step, the copies' gradient all-reduce) added to both."""
+    step, the copies' gradient all-reduce) added to both. `comm_cpu`: the part of each pass's all-to-alls that keeps
+    its core busy, which no turn hides (simulate's comm_cpu): the same run's over the unthrottled link, where the
+    wire takes almost nothing (None: all of it hideable)."""
     from schedules.observe.trace import communication_costs, load_chrome_trace, load_p2p_events, measured_dispatch
     from schedules.simulator.simulate import simulate
     spec = MODELS[model]
@@ -137,7 +139,7 @@ def predicted(trace, model, rate, step):
     wire = spec["micro_batch_size"] * tokens * width * 4 * 8 / rate  # an activation or its gradient on the link
     links = dict(latency=LINK_LATENCY + wire, wire=wire, send_wait=LINK_LATENCY)
     return {label: simulate("dualpipe", 2, spec["micro_batches"], costs=costs, comm=comm,
-                            overlap=label == "overlapped",
+                            overlap=label == "overlapped", comm_cpu=comm_cpu,
                             dispatch=dispatch, iterations=1, **links).makespan + outside
             for label in ("sequential", "overlapped")}
 
@@ -212,6 +214,8 @@ def main(argv=None):
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
+    from schedules.observe.trace import communication_costs
+    cpu = {}  # model -> the unthrottled sequential run's all-to-all time per pass (predicted's comm_cpu)
     started = time.time()
     nodes = common.open_emulated_nodes(2)
     try:
@@ -222,8 +226,11 @@ def main(argv=None):
                         for other, figure in auto_predicted(nodes, args, model).items():
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)
+                    name = f"{model}-{rate}-{label}-{rnd}"
                     step, comm, forecast = run_across(nodes, args, model, CONFIGS[label], label == "sequential",
-                                                      f"{model}-{rate}-{label}-{rnd}")
+                                                      name, cpu.get(model))
+                    if rate == "off" and label == "sequential":  # the all-to-alls' own work: priced at every speed
+                        cpu[model] = communication_costs(os.path.join(args.out, "traces", f"{name}.json"))[1]
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each

@@ -71,3 +71,6 @@ def test_a_traced_sequential_run_predicts_itself_and_its_overlap(tmp_path, monke
     costs = {(r, c): dict(compute) for r in range(2) for c in range(2)}
     overlapped = simulate("dualpipe", 2, 4, costs=costs, comm={k: dict(comm) for k in costs}, iterations=1).makespan
     assert got["overlapped"] == pytest.approx(overlapped + 0.05, rel=1e-3) and overlapped < span - 0.005
+    # the all-to-alls all the core's own work (as over an unthrottled link): no turn hides them
+    busy = bo.predicted(str(tmp_path / "trace.json"), "deep", 1e15, step, comms)
+    assert busy["overlapped"] == pytest.approx(busy["sequential"], rel=1e-3)

@@ -170,6 +170,32 @@ def test_collectives_of_a_pass_and_an_overlapped_pair(overlap):
     assert r.makespan > alone
 
 
+def test_the_part_of_a_collective_that_keeps_the_core_busy_is_not_hidden():
+    """comm_cpu: the part of a pass's collectives that occupies its own core (copying, the kernel's work) runs beside
+    no computation: an overlapped pair costs max(F + kF, cB) + max(B + kB, cF), and where all of a collective is
+    the core's (an unthrottled link) the pair costs what its passes cost one after the other."""
+    compute = {'F': 1.0, 'B': 1.5, 'W': 0.75}
+    comm = {'F': 2.0, 'B': 0.5}
+    costs = {(r, c): dict(compute) for r in range(2) for c in range(2)}
+
+    def run(cpu, overlap=True):
+        return simulate('dualpipe', 2, 8, costs=costs, comm={k: dict(comm) for k in costs}, overlap=overlap,
+                        comm_cpu=cpu and {k: dict(cpu) for k in costs}, iterations=1)
+    cpu = {'F': 0.25, 'B': 0.25}
+    for row in run(cpu).timeline.ranks:
+        units = {}
+        for p in row:
+            if p.pair is not None:
+                units.setdefault(p.pair, []).append(p)
+        for unit in units.values():
+            f, b = sorted(unit, key=lambda p: p.kind != 'F')
+            bc = compute['B'] + (compute['W'] if b.kind == 'BW' else 0.0)
+            want = max(compute['F'] + cpu['F'], comm['B']) + max(bc + cpu['B'], comm['F'])
+            assert sum(p.duration for p in unit) == pytest.approx(want), (f, b)
+    assert run(None).makespan < run(cpu).makespan < run(comm).makespan
+    assert run(comm).makespan == pytest.approx(run(None, overlap=False).makespan)
+
+
 def test_activation_memory_from_measured_pass_deltas():
     """W holding more than the forward saved (linear layers keep their input and output gradient):
     B adds memory. ZB-H1's last rank runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""

@@ -157,7 +157,7 @@ def _memory_function(memory):
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
-             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True):
+             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -178,6 +178,9 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     backward of one pair (DualPipe's ForwardBackwardPass, run as one unit) compute while the other's collectives
     are in flight: the pair costs max(F, cB) + max(B, cF) (F, B their computation, cF, cB their collectives)
     where one after the other it costs F + cF + B + cB.
+    comm_cpu: the part of `comm` that keeps the rank's own core busy (copying, the kernel's work: e.g. the
+    collectives' time over an unthrottled link), in `comm`'s form: no turn hides it, so an overlapped pass costs
+    max(F + kF, cB). None: none.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
@@ -251,7 +254,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
                          0)]
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
-                      wasted, memo, send_wait, wire, _comm_function(comm), overlap)
+                      wasted, memo, send_wait, wire, _comm_function(comm), overlap,
+                      _comm_function(comm_cpu))
         if n == 1:
             out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages

@@ -187,13 +187,14 @@ def _columns(prog):
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
-            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True):
+            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None):
     """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
     ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
     back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params.
     `send_wait`: from a message's rendezvous to its send's completion (None: its arrival, `latency`); `wire`: how
     long it holds its link. `comm(rank, chunk, kind)`: the seconds a pass waits for collectives of its own (the
-    experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm)."""
+    experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm);
+    `comm_cpu(rank, chunk, kind)`: the part of those that keeps the rank's core busy (None: none)."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
@@ -217,7 +218,7 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
         else:  # taken in turn: in each rank's order
             costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
         if comm is not None:
-            costs = _with_comm(prog, costs, comm, overlap)
+            costs = _with_comm(prog, costs, comm, overlap, comm_cpu)
         params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
         var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
         kept = memo.get('first') if memo is not None and n == 0 else None
@@ -261,17 +262,21 @@ def _partners(prog):
     return found
 
 
-def _with_comm(prog, costs, comm, overlap):
+def _with_comm(prog, costs, comm, overlap, cpu=None):
     """The passes' times with their collectives: a pass alone waits for its own after its computation (a + c); the
     two passes of an overlapped pair take turns on the core, each computing while the other's collective is in
-    flight, so the pair costs max(a1, c2) + max(a2, c1) (computation a, collectives c; both the sums when either
-    side has nothing in flight, all of it hidden when each computation outlasts the other's collective)."""
-    extra = np.array([comm(rank, chunk, kind) for rank, chunk, kind, _ in prog.keys], dtype=np.float64)[prog.key_of]
+    flight, so the pair costs max(a1 + k1, c2) + max(a2 + k2, c1) (computation a, collectives c, of which k keeps
+    the core busy: copying, the kernel's work, which no turn hides; both the sums when either side has nothing in
+    flight, all of it hidden when each computation outlasts the other's collective)."""
+    def per_pass(f):
+        return np.array([f(rank, chunk, kind) for rank, chunk, kind, _ in prog.keys], dtype=np.float64)[prog.key_of]
+    extra = per_pass(comm)
     if not overlap:
         return costs + extra
+    busy = costs + per_pass(cpu) if cpu is not None else costs
     partner = _partners(prog)
     paired = partner >= 0
-    return np.where(paired, np.maximum(costs, extra[np.where(paired, partner, 0)]), costs + extra)
+    return np.where(paired, np.maximum(busy, extra[np.where(paired, partner, 0)]), costs + extra)
 
 
 def _peaks(prog, memory_of, forward_only, within_of=lambda rank, chunk, kind: 0.0):
