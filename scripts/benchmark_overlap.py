@@ -60,8 +60,9 @@ def parse_args(argv=None):
 
 def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=None):
     """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
-    with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there). The trace is kept
-    as OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
+    with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there) and its ratio of
+    all-to-all to computation (communication_ratio), else None and None). The trace is kept as
+    OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
     from schedules.observe.trace import exposed_communication
     spec = MODELS[model]
     os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
@@ -75,12 +76,11 @@ def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=No
         common.launch_across(nodes, argv, args.timeout)
         times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
         comm = exposed_communication(trace)
-        # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s measured): measured
-        rate = nodes.rate or nodes.measure()
-        forecast = predicted(trace, model, rate, statistics.median(times), comm_cpu) if predict else None
-        if predict:
-            forecast["ratio"] = communication_ratio(trace, comm)
-    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast
+        forecast = ratio = None
+        if predict:  # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s)
+            forecast = predicted(trace, model, nodes.rate or nodes.measure(), statistics.median(times), comm_cpu)
+            ratio = communication_ratio(trace, comm)
+    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio
 
 
 def communication_ratio(trace, comm):
@@ -227,14 +227,14 @@ def main(argv=None):
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)
                     name = f"{model}-{rate}-{label}-{rnd}"
-                    step, comm, forecast = run_across(nodes, args, model, CONFIGS[label], label == "sequential",
-                                                      name, cpu.get(model))
+                    step, comm, forecast, ratio = run_across(nodes, args, model, CONFIGS[label],
+                                                             label == "sequential", name, cpu.get(model))
                     if rate == "off" and label == "sequential":  # the all-to-alls' own work: priced at every speed
                         cpu[model] = communication_costs(os.path.join(args.out, "traces", f"{name}.json"))[1]
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each
-                        record["results"][model][rate].setdefault("ratio", []).append(forecast.pop("ratio"))
+                        record["results"][model][rate].setdefault("ratio", []).append(ratio)
                         for other, figure in forecast.items():
                             record["results"][model][rate].setdefault(other, {"runs": []}).setdefault(
                                 "predicted", []).append(figure)
