@@ -245,16 +245,24 @@ class EmulatedNodes:
         return {"GLOO_SOCKET_IFNAME": IFACE, "NCCL_SOCKET_IFNAME": IFACE, "NCCL_HOSTID": f"node{k}",
                 "TP_SOCKET_IFNAME": IFACE}
 
-    def run_ranks(self, argv, port, timeout, threads=1, cwd=None, extra_env=None):
-        """`python ARGV` as one rank on each node (RANK = node, the process group's store on node 0 at `port`),
-        with `extra_env` added to the environment, to their end or `timeout` seconds (then killed): every rank's
-        (exit status, stdout, stderr)."""
+    def rank_nodes(self, ranks_per_node=1, interleave=False):
+        """The node of each global rank: consecutive ranks on a node, as DeepSpeed's launcher places them
+        (node k holds ranks k*R .. k*R+R-1), or with `interleave` dealt round (node k holds k, k+N, ...)."""
+        world = self.nodes * ranks_per_node
+        return [r % self.nodes if interleave else r // ranks_per_node for r in range(world)]
+
+    def run_ranks(self, argv, port, timeout, threads=1, cwd=None, extra_env=None, ranks_per_node=1,
+                  interleave=False):
+        """`python ARGV` as `ranks_per_node` ranks on each node, placed as `rank_nodes` says (one each: RANK =
+        node; the process group's store on node 0 at `port`), with `extra_env` added to the environment, to
+        their end or `timeout` seconds (then killed): every rank's (exit status, stdout, stderr), by rank."""
         logs, procs = [], []
-        for k in range(self.nodes):
-            env = {**os.environ, **self.environment(k), "RANK": str(k), "LOCAL_RANK": "0",
-                   "WORLD_SIZE": str(self.nodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": self.addr(0),
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-                   **(extra_env or {})}
+        where = self.rank_nodes(ranks_per_node, interleave)
+        for rank, k in enumerate(where):
+            env = {**os.environ, **self.environment(k), "RANK": str(rank),
+                   "LOCAL_RANK": str(where[:rank].count(k)), "WORLD_SIZE": str(len(where)),
+                   "LOCAL_WORLD_SIZE": str(ranks_per_node), "MASTER_ADDR": self.addr(0), "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             logs.append((out, err))
             procs.append(subprocess.Popen(self.command(k, [sys.executable, *argv]), cwd=cwd, env=env, stdout=out,

@@ -191,6 +191,20 @@ def save(args, name, record, lines=None, publish=None, published=None):
         benchmark_docs.publish(record if published is None else published, publish or name)
 
 
+def write_marked(page, name, lines):
+    """`lines` in docs/PAGE between its markers <!-- NAME --> and <!-- /NAME --> (a table a benchmark re-writes)."""
+    path = os.path.join(ROOT, "docs", page)
+    with open(path) as f:
+        text = f.read()
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"docs/{page} has no {start} ... {end} to write the table between")
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    with open(path, "w") as f:
+        f.write(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+
+
 def open_emulated_nodes(count):
     """`count` emulated nodes (emulated_nodes.py), made; SystemExit in one line where namespaces cannot be made. A
     SIGTERM then ends the script through its `finally` (where the caller closes them), so the namespaces go."""
@@ -210,13 +224,15 @@ def open_emulated_nodes(count):
 _PORTS = iter(range(29600, 30600))  # a fresh port each launch across emulated nodes: the last one's may linger
 
 
-def launch_across(nodes, argv, timeout, threads=1):
-    """`python ARGV` as one rank on each emulated node (RANK = node, the process group's store on node 0): every
-    rank's (exit status, stdout, stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
-    results = nodes.run_ranks(argv, next(_PORTS), timeout, threads, cwd=ROOT)
+def launch_across(nodes, argv, timeout, threads=1, ranks_per_node=1, interleave=False):
+    """`python ARGV` as `ranks_per_node` ranks on each emulated node (one: RANK = node; more: placed as
+    `EmulatedNodes.rank_nodes` says; the process group's store on node 0): every rank's (exit status, stdout,
+    stderr); SystemExit naming the failure when a rank failed or the deadline passed."""
+    results = nodes.run_ranks(argv, next(_PORTS), timeout, threads, cwd=ROOT, ranks_per_node=ranks_per_node,
+                              interleave=interleave)
     if any(code != 0 for code, _, _ in results):
         raise SystemExit(f"{' '.join(argv[:2])} across the nodes failed:\n" + "\n".join(
-            f"--- node {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
+            f"--- rank {k} rc={code}\n{err[-2500:]}" for k, (code, _, err) in enumerate(results)))
     return results
 
 

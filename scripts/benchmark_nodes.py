@@ -207,13 +207,7 @@ def main(argv=None):
     if args.docs:
         with open(os.path.join(common.BENCH_DIR, "nodes.json"), "w") as f:
             json.dump(record, f, indent=1)
-        page = os.path.join(common.ROOT, "docs", "nodes.md")
-        text = open(page).read()
-        start, end = "<!-- nodes-table -->", "<!-- /nodes-table -->"
-        head, _, rest = text.partition(start)
-        _, _, tail = rest.partition(end)
-        with open(page, "w") as f:
-            f.write(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+        common.write_marked("nodes.md", "nodes-table", lines)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ CONFIGS = {  # label -> train.py flags
     "sequential": ["--dualpipe-experts", "shard", "--overlap", "off"],
     "duplicate": ["--dualpipe-experts", "duplicate"],
 }
-LINK_LATENCY = 1e-4  # a small message's one-way time between them, seconds
 
 
 def parse_args(argv=None):
@@ -115,33 +114,24 @@ def auto_predicted(nodes, args, model):
 
 def predicted(trace, model, rate, step, comm_cpu=None):
     """The simulator's step for DualPipe's pairs run one pass after the other and overlapped, from the trace of a
-    run of them one after the other (`step` its median step): each pass's computation and the all-to-alls it had
-    in flight (trace.communication_costs), the engine's own work per pass, the pipeline's messages priced by their
-    bytes over the link's `rate` (bits per second); what the run spent outside its passes' span (the optimizer
-    step, the copies' gradient all-reduce) added to both. `comm_cpu`: the part of each pass's all-to-alls that keeps
-    its core busy, which no turn hides (simulate's comm_cpu): the same run's over the unthrottled link, where the
-    wire takes almost nothing (None: all of it hideable)."""
-    from schedules.observe.trace import communication_costs, load_chrome_trace, load_p2p_events, measured_dispatch
-    from schedules.simulator.simulate import simulate
-    spec = MODELS[model]
-    costs, comm = communication_costs(trace)
-    timeline, _ = load_chrome_trace(trace)
-    dispatch = measured_dispatch(timeline, load_p2p_events(trace))
-    spans = [timeline.span(i) for i in timeline.iterations()]
-    outside = step - statistics.median(t1 - t0 for t0, t1 in spans)
-    flags = dict(zip(spec["flags"][::2], spec["flags"][1::2]))
-    if model == "deep":
-        width, tokens = int(flags["--deep-width"]), 1
-    else:
-        import gptlite
-        size = gptlite.MODEL_SIZES[flags["--model-size"]]
-        width, tokens = size.n_embd, size.block_size
-    wire = spec["micro_batch_size"] * tokens * width * 4 * 8 / rate  # an activation or its gradient on the link
-    links = dict(latency=LINK_LATENCY + wire, wire=wire, send_wait=LINK_LATENCY)
-    return {label: simulate("dualpipe", 2, spec["micro_batches"], costs=costs, comm=comm,
-                            overlap=label == "overlapped", comm_cpu=comm_cpu,
-                            dispatch=dispatch, iterations=1, **links).makespan + outside
+    run of them one after the other (`step` its median step; forecast.traced_forecast): the pipeline's messages
+    priced by their bytes over the link's `rate` (bits per second). `comm_cpu`: the part of each pass's
+    all-to-alls that keeps its core busy, which no turn hides (simulate's comm_cpu): the same run's over the
+    unthrottled link, where the wire takes almost nothing (None: all of it hideable)."""
+    from schedules.observe.forecast import traced_forecast
+    wire = MODELS[model]["micro_batch_size"] * message_elements(model) * 4 * 8 / rate
+    return {label: traced_forecast(trace, step, wire, overlap=label == "overlapped", comm_cpu=comm_cpu)
             for label in ("sequential", "overlapped")}
+
+
+def message_elements(model):
+    """Elements of one sample's activation (or its gradient) that a stage sends the next."""
+    flags = dict(zip(MODELS[model]["flags"][::2], MODELS[model]["flags"][1::2]))
+    if model == "deep":
+        return int(flags["--deep-width"])
+    import gptlite
+    size = gptlite.MODEL_SIZES[flags["--model-size"]]
+    return size.n_embd * size.block_size
 
 
 def parameter_bytes(model):

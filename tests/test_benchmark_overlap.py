@@ -63,7 +63,8 @@ def test_a_traced_sequential_run_predicts_itself_and_its_overlap(tmp_path, monke
     assert costs[(0, 0)]["F"] == pytest.approx(0.010) and comms[(1, 1)]["B"] == pytest.approx(0.008)
     assert comms[(0, 0)]["W"] == 0.0
     monkeypatch.setitem(bo.MODELS["deep"], "micro_batches", 4)
-    monkeypatch.setattr(bo, "LINK_LATENCY", 0.0)
+    from schedules.observe import forecast
+    monkeypatch.setattr(forecast, "LINK_LATENCY", 0.0)
     step = span + 0.05  # the optimizer step and the rest outside the passes
     got = bo.predicted(str(tmp_path / "trace.json"), "deep", 1e15, step)  # a link of no cost: the p2p free
     assert got["sequential"] == pytest.approx(step, rel=1e-3)

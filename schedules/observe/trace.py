@@ -42,6 +42,7 @@ class Tracer:
         self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
         self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
         self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
+        self.param_bytes = None  # bytes of the parameters this rank holds (RunTrace sets it)
         self.comm = []  # (name, issued, resumed, done, iteration) of collectives inside passes (all-to-alls)
         self.iteration = 0
         self.active = False
@@ -185,6 +186,8 @@ def write_chrome_trace(tracers, path, meta):
         for seconds, live in t.memory_samples:  # a counter track per rank: what autograd keeps for backward
             events.append({"name": "saved for backward", "ph": "C", "pid": t.rank, "ts": seconds * 1e6,
                            "args": {"MiB": live / 2**20}})
+        if getattr(t, "param_bytes", None) is not None:
+            events.append({"name": "param_bytes", "ph": "M", "pid": t.rank, "args": {"bytes": t.param_bytes}})
         if t.peak_bytes:
             events.append({"name": "peak_saved_bytes", "ph": "M", "pid": t.rank,
                            "args": {str(i): b for i, b in sorted(t.peak_bytes.items())}})
@@ -218,6 +221,7 @@ class RunTrace:
             import torch
             sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # time kernels, not launches
             engine.tracer = self.tracer = Tracer(engine.stage_id, engine_placement(engine), sync=sync)
+            self.tracer.param_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
             if memory:
                 from schedules.observe.memory import SavedTensorTracker
                 self.tracer.memory = SavedTensorTracker(ignore=list(engine.module.parameters()))
@@ -303,6 +307,14 @@ def peak_saved_bytes(path):
         data = json.load(f)
     return {e["pid"]: max(e["args"].values()) for e in data["traceEvents"]
             if e.get("ph") == "M" and e.get("name") == "peak_saved_bytes" and e["args"]}
+
+
+def parameter_bytes(path):
+    """{rank: bytes of the parameters it holds} of a trace written by train.py (RunTrace)."""
+    with open(path) as f:
+        data = json.load(f)
+    return {e["pid"]: e["args"]["bytes"] for e in data["traceEvents"]
+            if e.get("ph") == "M" and e.get("name") == "param_bytes"}
 
 
 def load_p2p_events(path):
