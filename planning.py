@@ -162,6 +162,9 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
     step_overhead = 0.0
     if calibrated:  # the engine's own work per pass and per step, and its step per parameter (calibration.py)
         from calibration import engine_costs
+        # what a rank of the real model holds, from the merged layers: the same on every rank (a rank's own share of
+        # the layers measured differs, and the data-parallel replicas of a calibration engine must build alike)
+        held = sum(c.params for c in layers if c is not None) / max(parts, 1)
         dispatch, step_overhead, rate = engine_costs(args, cfg, build_engine, held)
     elif world > 1:  # the same rate on every rank: the median of theirs
         rates = [None] * world
@@ -186,6 +189,7 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
             "seconds": time.perf_counter() - started,
             # how the run lays out its experts (compose prices DualPipe's copies sharing them) and runs its pairs
             "dualpipe_experts": args.dualpipe_experts if getattr(args, "moe_experts", 0) else None,
+            "expert_parallel_size": args.expert_parallel_size if getattr(args, "moe_experts", 0) else 1,
             "overlap": getattr(args, "overlap", "on") == "on"}
     if slices is not None:
         meta["slices_seconds"] = slices_seconds  # of which the split head's slices

@@ -205,20 +205,12 @@ def _validate_experts(args, dp, need):
     listed = re.fullmatch(r"\d+(,\d+)*", spec) and max(map(int, spec.split(","))) < n_layer
     need(spec == "all" or listed or (every and 1 <= int(every[1]) <= n_layer),
          f"--moe-blocks {spec}: pass all, every:N (1 <= N <= {n_layer}) or block indices below {n_layer}, e.g. 0,2")
-    auto = args.pipeline_schedule == "auto" or (args.partition_method or "").lower() == "profile"
     # (auto may pick dualpipe: what sharing its experts needs is checked before)
     if experts_shared_by_copies(args) or (args.pipeline_schedule == "auto" and args.dualpipe_experts == "shard"):
         need(ep == 1, f"--expert-parallel-size {ep} with dualpipe: its two copies of each stage already share the "
              "experts (--dualpipe-experts shard): pass --expert-parallel-size 1, or --dualpipe-experts duplicate")
         need(n % 2 == 0, f"--moe-experts {n} with dualpipe: its two copies of a stage hold half the experts each: "
              "pass an even number, or --dualpipe-experts duplicate")
-        saving = "--save-dir" if args.save_dir else "--resume-from" if args.resume_from else None
-        need(not saving, f"{saving} with --dualpipe-experts shard: checkpoints of experts shared by DualPipe's copies "
-             "are not written yet: pass --dualpipe-experts duplicate (or --export the weights, which --init-from "
-             "loads under any layout)")
-    need(not auto or ep == 1, f"--expert-parallel-size {ep} with the profile (--pipeline-schedule auto, "
-         "--partition-method profile): it does not price experts sharded over data-parallel ranks yet: pass a "
-         "schedule by name and a partition method, or --expert-parallel-size 1")
 
 
 def _validate_auto(args, need):

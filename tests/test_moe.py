@@ -111,6 +111,31 @@ def test_a_rank_without_experts_is_refused_in_one_line():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["1f1b over replicas", "dualpipe shared by copies"])
+def test_a_checkpoint_resumes_the_experts_exactly(layout, tmp_path):
+    """Three AdamW steps saved after each; resumed from step 1, steps 2 and 3 are the uninterrupted run's: every
+    rank's experts and their optimizer state come back, the experts sharded over replicas or shared by DualPipe's
+    copies."""
+    import json
+    ranks, flags = (4, ["--pipeline-schedule", "1f1b", "--expert-parallel-size", "2"]) if layout.startswith("1f1b") \
+        else (2, ["--pipeline-schedule", "dualpipe", "--dualpipe-experts", "shard"])
+    common = [*TINY, *MOE, "--pipeline-parallel-size", "2", "--micro-batch-size", "2", "--gradient-accumulation-steps",
+              "4", "--eval-interval", "0", "--dist-timeout", "60", "--save-dir", tmp_path / "ckpt", *flags]
+
+    def losses(path):
+        return [json.loads(line)["loss"] for line in path.read_text().splitlines() if "loss" in json.loads(line)]
+    run = launch(ranks, [*common, "--steps", "3", "--save-interval", "1", "--metrics-file", tmp_path / "full.jsonl"],
+                 timeout=240)
+    assert run.ok, run.explain()
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    run = launch(ranks, [*common, "--steps", "3", "--resume", "--metrics-file", tmp_path / "resumed.jsonl"],
+                 timeout=240)
+    assert run.ok, run.explain()
+    full = losses(tmp_path / "full.jsonl")
+    assert len(full) == 3 and losses(tmp_path / "resumed.jsonl") == pytest.approx(full[1:], abs=1e-6)
+
+
+@pytest.mark.multiprocess
 def test_resume_under_another_layout_is_refused_in_one_line(tmp_path, config, monkeypatch, capsys):
     saved = tmp_path / "ckpt"
     run = launch(2, [*TINY, *MOE, "--pipeline-parallel-size", "2", "--steps", "1", "--gradient-accumulation-steps",

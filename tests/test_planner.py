@@ -219,6 +219,34 @@ def test_experts_shared_by_dualpipes_copies_are_priced_as_they_exchange_tokens()
     assert alone < steps[True] < steps[False]
 
 
+def test_experts_sharded_over_replicas_are_priced_by_the_share_of_the_all_to_all_that_crosses():
+    """--expert-parallel-size E: every placement's expert layers exchange their tokens among E replicas of the
+    stage, (E - 1) / E of each all-to-all's payload crossing; the profile's all-to-all, measured over all its ranks,
+    is scaled to E; a rank holds 1 / E of the experts. A dense profile exchanges nothing whatever E says."""
+    from dataclasses import replace
+
+    from schedules.planner.compose import compose
+    from schedules.registry import schedule_spec
+    base = Profile.synthetic(8, F=0.01, B=0.01, W=0.01, params=1000)
+    base.p2p = {'latency': 1e-4, 'per_byte': 1e-8, 'send': 0.0, 'recv': 0.0, 'a2a_latency': 2e-4,
+                'a2a_per_byte': 3e-9}
+    moe = replace(base, layers=[replace(c, exchanges=1, exchange_bytes=1 << 20, expert_param_bytes=3000)
+                                for c in base.layers])
+    place = schedule_spec("1f1b").placement(2)
+    parts = cut(base, "uniform", 2)
+    alone = compose(replace(moe, meta={'expert_parallel_size': 1, 'ranks': 4}), place, parts)
+    sharded = compose(replace(moe, meta={'expert_parallel_size': 2, 'ranks': 4}), place, parts)
+    assert alone['comm'] is None
+    assert compose(replace(base, meta={'expert_parallel_size': 2, 'ranks': 4}), place, parts)['comm'] is None
+    per_byte = 3e-9 * (1 / 2) / (3 / 4)  # measured over 4 ranks (3/4 crossing), exchanged among 2 (1/2)
+    one = 2 * (2e-4 + per_byte * (1 << 20))  # a layer's pass: dispatch and combine
+    assert sharded['comm'][(1, 0)] == {'F': pytest.approx(4 * one), 'B': pytest.approx(4 * one)}  # 4 layers a stage
+    assert sharded['param_bytes'][0] == alone['param_bytes'][0] - 4 * 1500
+    four = compose(replace(moe, meta={'expert_parallel_size': 4, 'ranks': 8}), place, parts)
+    assert four['param_bytes'][0] == alone['param_bytes'][0] - 4 * 2250
+    assert four['comm'][(0, 0)]['F'] == pytest.approx(4 * 2 * (2e-4 + 3e-9 * (3 / 4) / (7 / 8) * (1 << 20)))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("interlock", [1, 2])
@@ -246,6 +274,19 @@ def test_train_auto_profiles_chooses_says_why_and_trains(interlock):
                                          (" ms a pass", " ms a step", " ns a parameter stepped"))
     assert 0 < per_pass < 20 and 0 < per_step < 200 and 0 <= per_parameter < 1e3, chose
     assert "auto:" not in run.stdout[1]  # rank 0 alone says it
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_train_auto_prices_experts_sharded_over_replicas_and_trains_its_pick():
+    """A MoE GPTlite with --expert-parallel-size 2 over 2 stages of 2 replicas: auto profiles it on the 4 ranks,
+    ranks the schedules with the replicas' all-to-alls priced, and trains its pick with the experts sharded."""
+    from local_launch import launch
+    run = launch(4, AUTO + ["--steps", "2", "--moe-experts", "4", "--expert-parallel-size", "2"], timeout=180)
+    assert run.ok, run.explain()
+    out = run.stdout[0]
+    assert [line for line in out.splitlines() if line.startswith("auto: chose ")], out
+    assert [line for line in out.splitlines() if line.startswith("step 2/2: loss ")], out
 
 
 @pytest.mark.multiprocess

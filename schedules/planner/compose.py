@@ -258,13 +258,17 @@ def compose(profile, placement, parts):
     message = max((profile.layers[parts[s] - 1].output_bytes for s in range(1, len(parts) - 1)), default=0)
     outside = [o + profile.step_overhead for o in optimizer]  # the step's instructions cost even without parameters
     comm = None
+    ep = expert_parallel_size(profile)
+    if ep > 1:  # each stage's experts sharded over its data-parallel replicas: a rank holds 1/ep of them
+        comm, held = _exchanged_experts(profile, placement, parts, ep)
+        param_bytes = [b - h for b, h in zip(param_bytes, held)]
     if hasattr(placement, 'holders'):  # the mirror: one all-reduce of every gradient with the mirrored rank
         p2p = profile.p2p
         latency, per_byte = (p2p['reduce_latency'], p2p['reduce_per_byte']) if 'reduce_per_byte' in p2p else \
             (2 * p2p['latency'], 2 * p2p['per_byte'])  # a profile without the all-reduce: a message each way
         summed = param_bytes
         if shares_experts(profile):
-            comm, held = _shared_experts(profile, placement, parts)
+            comm, held = _exchanged_experts(profile, placement, parts, 2)
             # a rank holds half of each of its stages' experts (`held` the other half), summed with no other rank's:
             # only the dense gradients are all-reduced
             summed = [b - 2 * h for b, h in zip(param_bytes, held)]
@@ -281,21 +285,35 @@ def shares_experts(profile):
     return profile.meta.get('dualpipe_experts') == 'shard' and any(c.exchanges for c in profile.layers)
 
 
-def _shared_experts(profile, placement, parts):
-    """({(rank, chunk): {'F': s, 'B': s}}, per rank the expert bytes it does not hold) of the mirror placement with
-    each stage's experts shared by its two copies: a forward exchanges its tokens twice per expert layer (dispatch,
-    combine) with the mirrored rank, its backward twice again, each all-to-all sending half its payload over the
-    link and receiving the other half; each rank holds half the experts. An all-to-all is priced as the profile
-    measured one between the ranks (`a2a_latency` + `a2a_per_byte` x its payload), or, in a profile without it, as
-    a message of half its payload each way."""
+def expert_parallel_size(profile):
+    """Over how many data-parallel replicas of each stage the run profiled shards its experts (train.py
+    --expert-parallel-size; 1 where its layers exchange nothing)."""
+    ep = profile.meta.get('expert_parallel_size') or 1
+    return ep if any(c.exchanges for c in profile.layers) else 1
+
+
+def _exchanged_experts(profile, placement, parts, shards):
+    """({(rank, chunk): {'F': s, 'B': s}}, per rank the expert bytes it does not hold) where each stage's experts are
+    sharded over `shards` ranks (DualPipe's two copies with --dualpipe-experts shard, or --expert-parallel-size
+    replicas), which exchange their tokens by all-to-all: a forward twice per expert layer (dispatch, combine), its
+    backward twice again, each all-to-all sending (shards - 1) / shards of its payload and receiving as much; each
+    rank holds 1 / shards of the experts. An all-to-all is priced as the profile measured one among its ranks
+    (`a2a_latency` + `a2a_per_byte` x its payload, the part crossing scaled from the profile's rank count to
+    `shards`), or, in a profile without it, as a message of the crossing part each way."""
     p2p = profile.p2p
-    latency, per_byte = (p2p['a2a_latency'], p2p['a2a_per_byte']) if 'a2a_per_byte' in p2p else \
-        (p2p['latency'], p2p['per_byte'] / 2)
+
+    def crossing(n):  # the share of an all-to-all's payload that leaves each of its n ranks
+        return (n - 1) / n
+    if 'a2a_per_byte' in p2p:
+        measured_over = max(profile.meta.get('ranks') or shards, 2)
+        latency, per_byte = p2p['a2a_latency'], p2p['a2a_per_byte'] * crossing(shards) / crossing(measured_over)
+    else:
+        latency, per_byte = p2p['latency'], p2p['per_byte'] * crossing(shards)
     comm, held = {}, [0] * placement.ranks
     for r in range(placement.ranks):
         for c in range(placement.chunks):
             layers = [profile.layers[i] for i in stage_layers(parts, placement.stage(r, c))]
             seconds = sum(2 * (layer.exchanges * latency + per_byte * layer.exchange_bytes) for layer in layers)
             comm[(r, c)] = {'F': seconds, 'B': seconds}
-            held[r] += sum(layer.expert_param_bytes for layer in layers) // 2
+            held[r] += sum(layer.expert_param_bytes * (shards - 1) // shards for layer in layers)
     return comm, held

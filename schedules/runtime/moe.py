@@ -180,7 +180,8 @@ class ExpertLayer(nn.Module):
         held = self.moe.deepspeed_moe.experts
         if self.copies > 1:  # DeepSpeed sees no expert parallelism (its groups are of data-parallel ranks): keep ours
             held.deepspeed_experts = nn.ModuleList(list(held.deepspeed_experts)[:local])
-            held.num_local_experts = self.moe.deepspeed_moe.num_local_experts = local
+            # (the MoE's own count too: DeepSpeed's checkpoint saves and loads that many experts per rank)
+            held.num_local_experts = self.moe.deepspeed_moe.num_local_experts = self.moe.num_local_experts = local
             for param in held.parameters():
                 param.shared_by_copies = True  # not a copy of the other rank's: summed with none, counted once
         for built, expert in zip(held.deepspeed_experts, experts):
