@@ -8,7 +8,7 @@ import schedules
 from schedules.planner.choose import MiB, NoScheduleFits, choose, summary, table
 from schedules.planner.compose import chunk_figures, cut
 from schedules.planner.profile import Profile, measure_layers
-from schedules.registry import trainable_schedules
+from schedules.registry import schedule_spec, trainable_schedules
 
 P, M, LAYERS = 4, 8, 16
 UNIT = MiB / (LAYERS // P)  # per layer: one micro-batch on a 1/p stage saves 1 MiB (one unit)
@@ -217,6 +217,25 @@ def test_experts_shared_by_dualpipes_copies_are_priced_as_they_exchange_tokens()
     alone = simulated(replace(base, meta={'dualpipe_experts': 'duplicate'}), spec, None, 'uniform', parts, place,
                       8).span
     assert alone < steps[True] < steps[False]
+
+
+def test_a_cut_leaving_a_rank_without_experts_is_no_candidate():
+    """Experts in layers 4-7 of 8 only: every cut and schedule whose ranks all hold one stays a candidate, the others
+    are skipped saying which rank holds none (train.py would refuse them before training)."""
+    from dataclasses import replace
+    base = Profile.synthetic(8, F=0.01, B=0.01, W=0.01, params=1000)
+    base.layers = [replace(c, expert_param_bytes=3000 if i >= 4 else 0) for i, c in enumerate(base.layers)]
+    choice = choose(base, 2, 8)
+    assert choice.ranked
+    for c in choice.ranked:
+        place = schedule_spec(c.schedule, c.virtual_stages).placement(2)
+        for r in range(2):
+            stages = [place.stage(r, ch) for ch in range(place.chunks)]
+            assert any(i >= 4 for s in stages for i in range(c.parts[s], c.parts[s + 1])), (c.schedule, c.parts)
+    reasons = [why for _, why in choice.skipped if "holds no layer with experts" in why]
+    assert reasons and all(why.startswith("rank ") for why in reasons)
+    assert len(choose(replace(base, layers=[replace(c, expert_param_bytes=0) for c in base.layers]), 2, 8).ranked) > \
+        len(choice.ranked)
 
 
 def test_experts_sharded_over_replicas_are_priced_by_the_share_of_the_all_to_all_that_crosses():

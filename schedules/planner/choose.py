@@ -93,6 +93,10 @@ def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, vali
                 if any(a == b for a, b in zip(parts, parts[1:])):
                     skipped.append((f"{label} ({method})", "a model stage gets no layer"))
                     continue
+                bare = _rank_without_experts(profile, placement, parts)
+                if bare is not None:  # train.py refuses it (schedules.initialize): its optimizer would hang
+                    skipped.append((f"{label} ({method})", f"rank {bare} holds no layer with experts"))
+                    continue
                 by_parts.setdefault(tuple(parts), []).append(method)
             for parts, methods in by_parts.items():
                 try:
@@ -103,6 +107,20 @@ def _candidates(profile, stages, micro_batches, cuts, schedules, interlock, vali
                 except (ValueError, ScheduleError) as e:
                     skipped.append((label, str(e).splitlines()[0]))
     return out, skipped
+
+
+def _rank_without_experts(profile, placement, parts):
+    """A rank whose stages hold no layer with experts, in a model that has some (None if every rank holds one, or
+    the model none): DeepSpeed's optimizer reduces the experts' parameter group across the stages, so such a layout
+    is refused before training (schedules.initialize) and cannot be a candidate."""
+    experts = [c.expert_param_bytes > 0 for c in profile.layers]
+    if not any(experts):
+        return None
+    for r in range(placement.ranks):
+        stages = [placement.stage(r, c) for c in range(placement.chunks)]
+        if not any(experts[i] for s in stages for i in range(parts[s], min(parts[s + 1], len(experts)))):
+            return r
+    return None
 
 
 FITTED = 3  # the fastest split candidates whose slices' layout `choose(fit_layouts=True)` fits
