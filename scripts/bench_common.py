@@ -48,6 +48,15 @@ FLAGS = {
     "worker-out": dict(default=None, help=argparse.SUPPRESS),
 }
 
+# The tiny Mixture-of-Experts models of the MoE benchmarks' --smoke runs (their plumbing): train.py's flags
+SMOKE_MOE = {
+    "deep": ["--model", "deep", "--deep-width", "32", "--deep-depth", "4", "--moe-experts", "4", "--moe-top-k", "1",
+             "--moe-capacity-factor", "0"],
+    "gptlite": ["--model", "gptlite", "--model-size", "tiny", "--moe-experts", "4", "--moe-capacity-factor", "0",
+                "--partition-method", "uniform"],
+}
+
+
 def parser(doc):
     """An ArgumentParser described by the first line of the script's docstring."""
     return argparse.ArgumentParser(description=doc.splitlines()[0])

@@ -185,12 +185,8 @@ def table(record):
 def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
-        MODELS["deep"].update(micro_batch_size=8, micro_batches=8, flags=[
-            "--model", "deep", "--deep-width", "32", "--deep-depth", "4", "--moe-experts", "4", "--moe-top-k", "1",
-            "--moe-capacity-factor", "0"])
-        MODELS["gptlite"].update(micro_batch_size=2, micro_batches=8, flags=[
-            "--model", "gptlite", "--model-size", "tiny", "--moe-experts", "4", "--moe-capacity-factor", "0",
-            "--partition-method", "uniform"])
+        MODELS["deep"].update(micro_batch_size=8, micro_batches=8, flags=common.SMOKE_MOE["deep"])
+        MODELS["gptlite"].update(micro_batch_size=2, micro_batches=8, flags=common.SMOKE_MOE["gptlite"])
     from schedules.registry import trainable_schedules
     names = args.schedules or trainable_schedules()
     machine = common.machine("benchmark_moe", argparse.Namespace(device="cpu", stages=2))

@@ -194,12 +194,8 @@ def table(record):
 def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
-        MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=[
-            "--model", "deep", "--deep-width", "32", "--deep-depth", "4", "--moe-experts", "4", "--moe-top-k", "1",
-            "--moe-capacity-factor", "0"])
-        MODELS["gptlite"].update(micro_batch_size=2, micro_batches=4, flags=[
-            "--model", "gptlite", "--model-size", "tiny", "--moe-experts", "4", "--moe-capacity-factor", "0",
-            "--partition-method", "uniform"])
+        MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=common.SMOKE_MOE["deep"])
+        MODELS["gptlite"].update(micro_batch_size=2, micro_batches=4, flags=common.SMOKE_MOE["gptlite"])
     machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
