@@ -137,9 +137,9 @@ def measure(args, cfg, batch_of, repeats=7, split=None, build_engine=None):
     layers, loss = planner.measure_layers(layer_builders(args), x, loss_function(args), y, repeats=repeats,
                                           device=device, dtype=dtype, sync=sync, rank=rank, world=world,
                                           in_place=in_place)
-    held = sum(c.params for c in layers if c is not None) * world / max(parts, 1)  # per rank
     calibrated = build_engine is not None and world % max(parts, 1) == 0
-    if not calibrated:  # the step measured without the engine
+    if not calibrated:  # the step measured without the engine, over this rank's share scaled to a rank's whole
+        held = sum(c.params for c in layers if c is not None) * world / max(parts, 1)
         rate = planner.measure_step(held, optimizer_factory(cfg), clip=normed(cfg), device=device, sync=sync)
     if split is None:
         # the split head's slices are the chunked head's math: a run that asks for torch's head is not offered them

@@ -57,6 +57,17 @@ SMOKE_MOE = {
 }
 
 
+def sample_elements(flags):
+    """Elements of one sample's activation (or its gradient) that a pipeline stage sends the next, for the model
+    train.py builds from `flags` (its --model, --deep-width or --model-size; GPTlite's context)."""
+    given = dict(zip(flags[::2], flags[1::2]))
+    if given.get("--model") == "deep":
+        return int(given["--deep-width"])
+    import gptlite
+    size = gptlite.MODEL_SIZES[given["--model-size"]]
+    return size.n_embd * size.block_size
+
+
 def parser(doc):
     """An ArgumentParser described by the first line of the script's docstring."""
     return argparse.ArgumentParser(description=doc.splitlines()[0])

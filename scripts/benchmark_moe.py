@@ -83,17 +83,6 @@ def run(args, nodes, model, ep, schedule, trace, overlap=None):
     return statistics.median(times)
 
 
-def message_bytes(model):
-    """Bytes of one micro-batch's activation (or its gradient) that a stage sends the next."""
-    spec = MODELS[model]
-    flags = dict(zip(spec["flags"][::2], spec["flags"][1::2]))
-    if model == "deep":
-        return spec["micro_batch_size"] * int(flags["--deep-width"]) * 4
-    import gptlite
-    size = gptlite.MODEL_SIZES[flags["--model-size"]]
-    return spec["micro_batch_size"] * size.block_size * size.n_embd * 4
-
-
 def measure(args, nodes, setting, model, ep, schedule, rates, comm_cpu):
     """One configuration's cell: the run (and with PAIRED at size 2 its sequential twin), each beside the
     simulator's step; the memory and parameter bytes per rank from the trace. `comm_cpu`: {(model, schedule):
@@ -105,7 +94,8 @@ def measure(args, nodes, setting, model, ep, schedule, rates, comm_cpu):
     name = f"{model}-ep{ep}-{schedule}-{setting.replace(' ', '-')}"
     # the pipeline's messages cross the link with one rank per node; at size 2 they stay inside a node
     link = rates["off"] if nodes is None or ep > 1 else rates[setting]
-    wire = message_bytes(model) * 8 / link
+    spec = MODELS[model]  # one micro-batch's activation (or its gradient) on the link
+    wire = spec["micro_batch_size"] * common.sample_elements(spec["flags"]) * 4 * 8 / link
     trace = os.path.join(folder, f"{name}.json")
     paired = schedule in PAIRED and ep > 1
     cell = {"step_s": run(args, nodes, model, ep, schedule, trace)}

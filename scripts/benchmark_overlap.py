@@ -119,19 +119,10 @@ def predicted(trace, model, rate, step, comm_cpu=None):
     all-to-alls that keeps its core busy, which no turn hides (simulate's comm_cpu): the same run's over the
     unthrottled link, where the wire takes almost nothing (None: all of it hideable)."""
     from schedules.observe.forecast import traced_forecast
-    wire = MODELS[model]["micro_batch_size"] * message_elements(model) * 4 * 8 / rate
+    spec = MODELS[model]
+    wire = spec["micro_batch_size"] * common.sample_elements(spec["flags"]) * 4 * 8 / rate
     return {label: traced_forecast(trace, step, wire, overlap=label == "overlapped", comm_cpu=comm_cpu)
             for label in ("sequential", "overlapped")}
-
-
-def message_elements(model):
-    """Elements of one sample's activation (or its gradient) that a stage sends the next."""
-    flags = dict(zip(MODELS[model]["flags"][::2], MODELS[model]["flags"][1::2]))
-    if model == "deep":
-        return int(flags["--deep-width"])
-    import gptlite
-    size = gptlite.MODEL_SIZES[flags["--model-size"]]
-    return size.n_embd * size.block_size
 
 
 def parameter_bytes(model):
