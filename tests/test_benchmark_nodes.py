@@ -44,3 +44,23 @@ def test_the_table_shows_each_speed_beside_the_unthrottled_link_and_auto():
     assert "| 1f1b | 200 / 210 | 300 (x1.50) / 390 |" in text
     assert "| zb-h1 | 150 |  |" in text
     assert "200mbit: 1f1b (predicted 390 ms, ran 310; fastest measured 1f1b 300 ms, the pick's own 300 ms)" in text
+
+
+def test_the_fastest_schedule_is_run_by_train_py_beside_auto_s_pick(monkeypatch):
+    """The launch's fastest schedule, when auto picked another, runs by train.py too (so pick and fastest are
+    timed by one harness) and the table says how the pick compares; the pick itself is not run again."""
+    ran = []
+    monkeypatch.setattr(bn, "train_across", lambda nodes, args, model, extra: (ran.append(extra) or "", 0.40))
+    rows = {"zb-h2": {"1gbit": {"runs": [{"step_s": 0.44}]}}, "interleaved": {"1gbit": {"runs": [{"step_s": 0.53}]}}}
+    said = {"pick": "interleaved v=2", "pick_predicted_s": 0.39, "pick_ran_s": 0.41}
+    assert bn.fastest_run(None, None, "deep", rows, "1gbit", said) == {"name": "zb-h2", "step_s": 0.40}
+    assert ran == [["--pipeline-schedule", "zb-h2"]]
+    said.update(fastest="zb-h2", fastest_s=0.44, pick_measured_s=0.53, fastest_ran={"name": "zb-h2", "step_s": 0.40})
+    record = {"machine": "m", "rates": ["1gbit"], "measured_rate": {"1gbit": "1 Gbit/s"},
+              "results": {"deep": {n: {"1gbit": {"step_s": c["1gbit"]["runs"][0]["step_s"]}}
+                                   for n, c in rows.items()}},
+              "auto": {"deep": {"1gbit": said}}}
+    assert "the pick's own 530 ms; by train.py: zb-h2 400 ms, the pick 1.02x it)" in "\n".join(bn.table(record))
+    said["pick"] = "zb-h2"
+    assert bn.fastest_run(None, None, "deep", rows, "1gbit", said) == {"name": "zb-h2", "step_s": 0.41}
+    assert len(ran) == 1
