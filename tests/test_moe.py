@@ -73,9 +73,13 @@ def one_process(tmp_path_factory, config):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("flags", [
     ["--pipeline-schedule", "1f1b"],
+    ["--pipeline-schedule", "1f1b-lean"],
     ["--pipeline-schedule", "zb-h1", "--activation-checkpoint-interval", "1"],
+    ["--pipeline-schedule", "zb-h2"],
     ["--pipeline-schedule", "zb-v", "--vocab-parallel"],
     ["--pipeline-schedule", "interleaved"],
+    ["--pipeline-schedule", "v-half"],
+    ["--pipeline-schedule", "v-min"],
     ["--pipeline-schedule", "dualpipev"],
     ["--pipeline-schedule", "dualpipe"],
     ["--pipeline-schedule", "dualpipev-deepspeed"],
@@ -155,6 +159,17 @@ def test_four_stages_train_the_moe_model_as_one_process(schedule, tmp_path, conf
     reference = train(tmp_path / "ref", 1, [*nine, "--pipeline-parallel-size", "0"], config, 8)
     result = train(tmp_path / "p4", 4, [*nine, "--pipeline-parallel-size", "4", "--pipeline-schedule",
                                         *schedule.split()], config, 8)
+    assert_same_training(result, reference)
+
+
+@pytest.mark.multiprocess
+def test_four_stages_of_two_replicas_with_their_experts_sharded(tmp_path, config):
+    """p = 4 and expert-parallel size 2 (8 ranks): each stage's experts halved over its two replicas, the same
+    training as the non-pipelined model with its experts sharded the same way."""
+    nine, sharded = [*MOE, "--n-layer", "9"], ["--expert-parallel-size", "2"]
+    reference = train(tmp_path / "ref", 2, [*nine, "--pipeline-parallel-size", "0", *sharded], config, 8, dp=2)
+    result = train(tmp_path / "p4", 8, [*nine, "--pipeline-parallel-size", "4", "--pipeline-schedule", "zb-h1",
+                                        *sharded], config, 8, dp=2, timeout=480)
     assert_same_training(result, reference)
 
 
