@@ -8,7 +8,13 @@ spent outside its passes' span. What the benchmarks set beside a measured step.
 """
 import statistics
 
-from schedules.observe.trace import communication_costs, load_chrome_trace, load_p2p_events, measured_dispatch
+from schedules.observe.trace import (
+    communication_costs,
+    communication_shapes,
+    load_chrome_trace,
+    load_p2p_events,
+    measured_dispatch,
+)
 from schedules.simulator.simulate import simulate
 
 LINK_LATENCY = 1e-4  # a small message's one-way time between two ranks over TCP, seconds
@@ -24,7 +30,8 @@ def traced_forecast(path, step_s, wire=0.0, latency=None, overlap=False, comm_cp
     - each pipeline message holding its link for `wire` seconds (its bytes over the link's rate), arriving
       `latency` after that (None: LINK_LATENCY), a send returning after `latency` (gloo's sockets take it);
     - `overlap`: the schedule's forward-backward pairs computing while the other's collectives are in flight, with
-      `comm_cpu` (communication_costs' comm of a run over a free link) the part no turn hides (simulate's);
+      `comm_cpu` (communication_costs' comm of a run over a free link) the part no turn hides (simulate's), each
+      pair priced turn by turn from its passes' traced shapes (trace.communication_shapes);
     - plus what the run spent outside its passes' span (the optimizer step, the gradients' all-reduce), the
       measured step less the traced steps' median span."""
     costs, comm = communication_costs(path)
@@ -33,5 +40,6 @@ def traced_forecast(path, step_s, wire=0.0, latency=None, overlap=False, comm_cp
     outside = step_s - statistics.median(t1 - t0 for t0, t1 in map(timeline.span, timeline.iterations()))
     meta, latency = timeline.meta, LINK_LATENCY if latency is None else latency
     return simulate(meta["schedule"], meta["stages"], meta["micro_batches"], costs=costs, comm=comm,
-                    overlap=overlap, comm_cpu=comm_cpu, dispatch=dispatch, iterations=1, latency=latency + wire,
+                    overlap=overlap, comm_cpu=comm_cpu, dispatch=dispatch,
+                    comm_shape=communication_shapes(path) if overlap else None, iterations=1, latency=latency + wire,
                     wire=wire, send_wait=latency).makespan + outside

@@ -377,6 +377,40 @@ def communication_costs(path, iteration=None):
     return _means(compute), _means(comm)
 
 
+def communication_shapes(path, iteration=None):
+    """How each pass of a trace file's run (passes one at a time, as communication_costs) alternates computation and
+    collectives: {(rank, chunk): {kind: (computes, collectives)}}, seconds, means over the passes of each kind with
+    its most common number of collectives: the computation before the first collective, between each one's end and
+    the next's start, after the last; each collective from its start to its end. What simulate's `comm_shape`
+    takes, so that an overlapped pair is priced turn by turn."""
+    timeline, _ = load_chrome_trace(path)
+    with open(path) as f:
+        spans = sorted((e["pid"], e["ts"] / 1e6, e["dur"] / 1e6) for e in json.load(f)["traceEvents"]
+                       if e.get("ph") == "X" and e.get("cat") == "comm"
+                       and (iteration is None or e["args"]["iteration"] == iteration))
+    found = {}  # (rank, chunk, kind) -> [(computes, collectives) of each pass]
+    for rank, row in enumerate(timeline.ranks):
+        for p in row:
+            if iteration is not None and p.iteration != iteration:
+                continue
+            inside = [(at, dur) for r, at, dur in spans if r == rank and p.start <= at <= p.end]
+            computes, collectives, clock = [], [], p.start
+            for at, dur in inside:
+                computes.append(max(0.0, at - clock))
+                collectives.append(dur)
+                clock = at + dur
+            computes.append(max(0.0, p.end - clock))
+            found.setdefault((rank, p.chunk, p.kind), []).append((computes, collectives))
+    table = {}
+    for (rank, chunk, kind), shapes in found.items():
+        counts = [len(c) for _, c in shapes]
+        n = max(set(counts), key=counts.count)
+        alike = [s for s in shapes if len(s[1]) == n]
+        table.setdefault((rank, chunk), {})[kind] = tuple(
+            [sum(column) / len(alike) for column in zip(*(s[i] for s in alike))] for i in (0, 1))
+    return table
+
+
 def replayed_costs(timeline):
     """Each traced pass's own duration, in each rank's order, per (rank, chunk) and kind: the simulator's cost
     table with lists (its passes take them in turn; each simulated run starts from the first again). Replayed,

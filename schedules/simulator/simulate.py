@@ -130,6 +130,23 @@ def _comm_function(comm):
     return table
 
 
+def _shape_function(shape):
+    """None, or (rank, chunk, kind) -> a pass's (computes, collectives) (simulate's `comm_shape`); None where not
+    listed (a BW without its own: its B's then its W's, joined)."""
+    if shape is None or callable(shape):
+        return shape
+
+    def table(rank, chunk, kind):
+        s = shape.get((rank, chunk), {})
+        if kind in s:
+            return s[kind]
+        if kind == 'BW' and 'B' in s:
+            (ba, bc), (wa, _) = s['B'], s.get('W', ([0.0], []))
+            return [*ba[:-1], ba[-1] + sum(wa)], bc
+        return None
+    return table
+
+
 def _within_function(memory):
     """(rank, chunk, kind) -> bytes a pass holds above its start while it runs beyond what it leaves (a memory
     table's optional 'within': {kind: bytes} per (rank, chunk)); 0 for units and where the table says nothing."""
@@ -157,7 +174,8 @@ def _memory_function(memory):
 
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
-             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None):
+             replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None,
+             comm_shape=None):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -181,6 +199,9 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     comm_cpu: the part of `comm` that keeps the rank's own core busy (copying, the kernel's work: e.g. the
     collectives' time over an unthrottled link), in `comm`'s form: no turn hides it, so an overlapped pass costs
     max(F + kF, cB). None: none.
+    comm_shape: how each pass's computation and collectives alternate, {(rank, chunk): {kind: (computes,
+    collectives)}} in seconds at any scale (trace.communication_shapes) or f(rank, chunk, kind); an overlapped pair
+    whose two passes both have one takes what its turns take (simulator/pairs.py) instead of the closed form.
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
@@ -255,7 +276,7 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
                       wasted, memo, send_wait, wire, _comm_function(comm), overlap,
-                      _comm_function(comm_cpu))
+                      _comm_function(comm_cpu), _shape_function(comm_shape))
         if n == 1:
             out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages

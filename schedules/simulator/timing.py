@@ -5,6 +5,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from schedules.simulator.pairs import pair_ends, scaled
 from schedules.simulator.structure import _RECV_CPU, _SEND_CPU, _WAIT, _ZERO, _slots
 from schedules.simulator.timeline import Pass
 
@@ -187,14 +188,15 @@ def _columns(prog):
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
-            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None):
+            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None, comm_shape=None):
     """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
     ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
     back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params.
     `send_wait`: from a message's rendezvous to its send's completion (None: its arrival, `latency`); `wire`: how
     long it holds its link. `comm(rank, chunk, kind)`: the seconds a pass waits for collectives of its own (the
     experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm);
-    `comm_cpu(rank, chunk, kind)`: the part of those that keeps the rank's core busy (None: none)."""
+    `comm_cpu(rank, chunk, kind)`: the part of those that keeps the rank's core busy (None: none);
+    `comm_shape(rank, chunk, kind)`: how a pass's computation and collectives alternate (None: unknown)."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
@@ -218,7 +220,7 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
         else:  # taken in turn: in each rank's order
             costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
         if comm is not None:
-            costs = _with_comm(prog, costs, comm, overlap, comm_cpu)
+            costs = _with_comm(prog, costs, comm, overlap, comm_cpu, comm_shape)
         params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
         var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
         kept = memo.get('first') if memo is not None and n == 0 else None
@@ -262,21 +264,42 @@ def _partners(prog):
     return found
 
 
-def _with_comm(prog, costs, comm, overlap, cpu=None):
+def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None):
     """The passes' times with their collectives: a pass alone waits for its own after its computation (a + c); the
     two passes of an overlapped pair take turns on the core, each computing while the other's collective is in
     flight, so the pair costs max(a1 + k1, c2) + max(a2 + k2, c1) (computation a, collectives c, of which k keeps
     the core busy: copying, the kernel's work, which no turn hides; both the sums when either side has nothing in
-    flight, all of it hidden when each computation outlasts the other's collective)."""
+    flight, all of it hidden when each computation outlasts the other's collective). Where `shape` gives both
+    passes' shapes (how computation and collectives alternate in each), the pair takes what its turns take
+    (pairs.pair_ends), split between its passes as the closed form splits it."""
     def per_pass(f):
         return np.array([f(rank, chunk, kind) for rank, chunk, kind, _ in prog.keys], dtype=np.float64)[prog.key_of]
     extra = per_pass(comm)
     if not overlap:
         return costs + extra
-    busy = costs + per_pass(cpu) if cpu is not None else costs
+    kept = per_pass(cpu) if cpu is not None else np.zeros_like(costs)
+    busy = costs + kept
     partner = _partners(prog)
     paired = partner >= 0
-    return np.where(paired, np.maximum(busy, extra[np.where(paired, partner, 0)]), costs + extra)
+    out = np.where(paired, np.maximum(busy, extra[np.where(paired, partner, 0)]), costs + extra)
+    if shape is None:
+        return out
+    for i in np.nonzero(paired)[0].tolist():
+        j = int(partner[i])
+        if j < i:
+            continue
+        keys = prog.keys[prog.key_of[i]], prog.keys[prog.key_of[j]]
+        shapes = shape(*keys[0][:3]), shape(*keys[1][:3])
+        if shapes[0] is None or shapes[1] is None:
+            continue
+        order = (0, 1) if keys[0][2] != 'F' else (1, 0)  # the backward starts (overlap.run_pair(backward, forward))
+        index = (i, j)
+        parts = [scaled(shapes[o], costs[index[o]], extra[index[o]], kept[index[o]]) for o in order]
+        took = max(pair_ends(*parts))
+        closed = out[i] + out[j]
+        if closed > 0:
+            out[i], out[j] = out[i] * took / closed, out[j] * took / closed
+    return out
 
 
 def _peaks(prog, memory_of, forward_only, within_of=lambda rank, chunk, kind: 0.0):

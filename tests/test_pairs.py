@@ -1,0 +1,48 @@
+"""The simulator's overlapped pair taken turn by turn (schedules/simulator/pairs.py): it agrees with the closed form
+max(a1, c2) + max(a2, c1) where the passes' pieces are even, costs more where a pass's computation sits in one
+piece (GPTlite's last stage: the head), and never double-counts the core's own part of a collective."""
+import pytest
+
+from schedules.simulator.pairs import pair_ends, scaled
+
+
+def test_even_pieces_take_the_closed_form():
+    first = second = ([1.0, 1.0, 1.0], [0.5, 0.5])
+    assert max(pair_ends(first, second)) == pytest.approx(max(3.0, 1.0) + max(3.0, 1.0))
+    # the other pass's computation hides every collective: both end where their own work ends, one after the other
+    assert pair_ends(first, second) == pytest.approx((5.0, 6.0))
+
+
+def test_a_pass_alone_waits_for_its_collectives():
+    first, second = ([1.0, 1.0], [2.0]), ([0.5], [])  # the second has no collective: it runs through in one turn
+    assert pair_ends(first, second) == pytest.approx((4.0, 1.5))  # = max(2, 0) + max(0.5, 2)
+
+
+def test_a_computation_in_one_piece_hides_less_than_the_totals_say():
+    """The backward of GPTlite's last stage: the head's backward, then two MoE layers' all-to-alls; the forward
+    of the first stage: six all-to-alls between short computations."""
+    backward = ([0.200, 0.010, 0.005], [0.016, 0.016])
+    forward = ([0.004] * 7, [0.016] * 6)
+    closed = max(0.215, 0.096) + max(0.028, 0.032)  # 0.247
+    ends = pair_ends(backward, forward)
+    # the backward ends at 0.247 (its collectives hidden but for 12 ms); the forward then runs alone, its last four
+    # collectives exposed in full: 0.251 + 4 x (0.016 + 0.004)
+    assert ends == pytest.approx((0.247, 0.331)) and max(ends) > closed + 0.08
+
+
+def test_the_cores_part_of_a_collective_is_not_counted_twice():
+    """A collective that is all the core's work (an unthrottled link): the pair costs its passes one after the
+    other, no more and no less; half the core's: in between."""
+    def pair(kernel):
+        return max(pair_ends(([1.0, 1.0], [0.5], [kernel]), ([1.0, 1.0], [0.5], [kernel])))
+    assert pair(0.5) == pytest.approx(2 * (2.0 + 0.5))
+    assert pair(0.0) == pytest.approx(4.0)
+    assert 4.0 < pair(0.25) < 5.0
+
+
+def test_a_shape_is_scaled_to_the_pass_s_costs():
+    computes, collectives, kernels = scaled(([2.0, 1.0, 1.0], [1.0, 3.0]), 8.0, 2.0, 1.0)
+    assert computes == pytest.approx([4.0, 2.0, 2.0]) and collectives == pytest.approx([0.5, 1.5])
+    assert kernels == pytest.approx([0.25, 0.75])
+    with pytest.raises(ValueError, match="one more computation than collectives"):
+        pair_ends(([1.0], [1.0]), ([1.0], []))
