@@ -77,6 +77,9 @@ def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=No
         comm = exposed_communication(trace)
         forecast = ratio = None
         if predict:  # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s)
+            if comm_cpu is None and not nodes.rate:  # the unthrottled run itself: its all-to-alls are the core's
+                from schedules.observe.trace import communication_costs
+                comm_cpu = communication_costs(trace)[1]
             forecast = predicted(trace, model, nodes.rate or nodes.measure(), statistics.median(times), comm_cpu)
             ratio = communication_ratio(trace, comm)
     return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio
