@@ -113,13 +113,19 @@ def auto_run(nodes, args, model):
     return said
 
 
+def _without_v(label):
+    """An auto label's schedule and head, its chunks per rank left out ("interleaved v=2" -> "interleaved"): the
+    launch's rows name a schedule so."""
+    return re.sub(r" v=\d+", "", label or "")
+
+
 def fastest_run(nodes, args, model, rows, rate, said):
     """The schedule this round's launch measured fastest, run by train.py as auto's pick was, so that the two are
     set side by side by one harness (the workers run most schedules 5-10% slower than train.py): its name and
     median step. The pick itself, and the split head (already a train.py run), are not run again."""
     measured = {n: c[rate]["runs"][-1]["step_s"] for n, c in rows.items() if rate in c}
     fastest = min(measured, key=measured.get)
-    if fastest == said["pick"] or fastest == re.sub(r" v=\d+", "", said["pick"] or ""):
+    if fastest in (said["pick"], _without_v(said["pick"])):
         return {"name": fastest, "step_s": said["pick_ran_s"]}
     if fastest.endswith(" +vocab"):
         return {"name": fastest, "step_s": measured[fastest]}
@@ -164,7 +170,7 @@ def table(record):
 def _by_train(a):
     """The pick against the launch's fastest, both run by train.py (fastest_run), as text for the table."""
     f = a.get("fastest_ran")
-    if not f or f["step_s"] == a["pick_ran_s"]:  # the fastest is the pick
+    if not f or f["name"] in (a["pick"], _without_v(a["pick"])):  # the fastest is the pick
         return ""
     return f"; by train.py: {f['name']} {f['step_s'] * 1e3:.0f} ms, the pick {a['pick_ran_s'] / f['step_s']:.2f}x it"
 
@@ -219,7 +225,7 @@ def main(argv=None):
             measured = {n: c[rate]["step_s"] for n, c in rows.items() if rate in c}
             a["fastest"] = min(measured, key=measured.get)
             a["fastest_s"] = measured[a["fastest"]]
-            a["pick_measured_s"] = measured.get(a["pick"], measured.get(re.sub(r" v=\d+", "", a["pick"] or "")))
+            a["pick_measured_s"] = measured.get(a["pick"], measured.get(_without_v(a["pick"])))
     lines = table(record)
     lines.append(f"took {time.time() - started:.0f} s")
     print("\n".join(lines))

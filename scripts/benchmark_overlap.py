@@ -59,10 +59,11 @@ def parse_args(argv=None):
 
 def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=None):
     """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
-    with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there) and its ratio of
-    all-to-all to computation (communication_ratio), else None and None). The trace is kept as
-    OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
-    from schedules.observe.trace import exposed_communication
+    with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there, None: this run's
+    own where unthrottled) and its ratio of all-to-all to computation (communication_ratio), else None and None;
+    and, unthrottled with `predict`, this run's all-to-alls per pass (the core's part at every speed), else None).
+    The trace is kept as OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
+    from schedules.observe.trace import communication_costs, exposed_communication
     spec = MODELS[model]
     os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
     trace = os.path.join(args.out, "traces", f"{name}.json")
@@ -76,13 +77,14 @@ def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=No
         times = [e["iter_s"] for e in map(json.loads, open(metrics)) if "iter_s" in e][2:]
         comm = exposed_communication(trace)
         forecast = ratio = None
+        own_cpu = None
         if predict:  # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s)
-            if comm_cpu is None and not nodes.rate:  # the unthrottled run itself: its all-to-alls are the core's
-                from schedules.observe.trace import communication_costs
-                comm_cpu = communication_costs(trace)[1]
-            forecast = predicted(trace, model, nodes.rate or nodes.measure(), statistics.median(times), comm_cpu)
+            if not nodes.rate:  # an unthrottled run's all-to-alls are the core's own work
+                own_cpu = communication_costs(trace)[1]
+            forecast = predicted(trace, model, nodes.rate or nodes.measure(), statistics.median(times),
+                                 own_cpu if comm_cpu is None else comm_cpu)
             ratio = communication_ratio(trace, comm)
-    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio
+    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio, own_cpu
 
 
 def communication_ratio(trace, comm):
@@ -194,7 +196,6 @@ def main(argv=None):
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
-    from schedules.observe.trace import communication_costs
     cpu = {}  # model -> the unthrottled sequential run's all-to-all time per pass (predicted's comm_cpu)
     started = time.time()
     nodes = common.open_emulated_nodes(2)
@@ -207,10 +208,10 @@ def main(argv=None):
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)
                     name = f"{model}-{rate}-{label}-{rnd}"
-                    step, comm, forecast, ratio = run_across(nodes, args, model, CONFIGS[label],
-                                                             label == "sequential", name, cpu.get(model))
-                    if rate == "off" and label == "sequential":  # the all-to-alls' own work: priced at every speed
-                        cpu[model] = communication_costs(os.path.join(args.out, "traces", f"{name}.json"))[1]
+                    step, comm, forecast, ratio, own_cpu = run_across(nodes, args, model, CONFIGS[label],
+                                                                      label == "sequential", name, cpu.get(model))
+                    if own_cpu is not None:  # the all-to-alls' own work, unthrottled: priced at every speed
+                        cpu[model] = own_cpu
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
                     cell["runs"].append({"step_s": step, "comm": comm})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each

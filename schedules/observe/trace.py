@@ -349,15 +349,14 @@ def measured_costs(timeline):
     return _means(((rank, p.chunk), p.kind, p.duration) for rank, p in timeline.passes())
 
 
-def communication_costs(path, iteration=None):
-    """(costs, comm) of a trace file of a run whose passes ran one at a time (no overlapped pairs: --overlap off):
-    the simulator's cost table of each pass's computation (its duration less what it waited for its collectives),
-    and of the collectives a pass had in flight (its `comm`), both means per (rank, chunk) and kind, of one traced
-    step or all. What predicts the same steps overlapped: simulate(..., costs=costs, comm=comm, overlap=True)."""
+def _collectives_in_passes(path, iteration=None):
+    """(timeline, {(rank, pass index, cat): [(start, seconds), ...]}) of a trace file: each collective's spans, 'comm'
+    (issued to done) and 'exposed' (waited for), under the pass it started in, in the file's order, of one traced
+    step or all."""
     timeline, _ = load_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("comm", "exposed")]
-    inside = {}  # (rank, pass index, cat) -> seconds
+    inside = {}
     for e in events:
         if iteration is not None and e["args"]["iteration"] != iteration:
             continue
@@ -365,15 +364,26 @@ def communication_costs(path, iteration=None):
         row = timeline.ranks[e["pid"]]
         for i, p in enumerate(row):
             if p.start <= at <= p.end:
-                key = (e["pid"], i, e["cat"])
-                inside[key] = inside.get(key, 0.0) + e["dur"] / 1e6
+                inside.setdefault((e["pid"], i, e["cat"]), []).append((at, e["dur"] / 1e6))
                 break
+    return timeline, inside
+
+
+def communication_costs(path, iteration=None):
+    """(costs, comm) of a trace file of a run whose passes ran one at a time (no overlapped pairs: --overlap off):
+    the simulator's cost table of each pass's computation (its duration less what it waited for its collectives),
+    and of the collectives a pass had in flight (its `comm`), both means per (rank, chunk) and kind, of one traced
+    step or all. What predicts the same steps overlapped: simulate(..., costs=costs, comm=comm, overlap=True)."""
+    timeline, inside = _collectives_in_passes(path, iteration)
+
+    def total(rank, i, cat):
+        return sum((seconds for _, seconds in inside.get((rank, i, cat), ())), 0.0)
     compute, comm = [], []
     for rank, row in enumerate(timeline.ranks):
         for i, p in enumerate(row):
             if iteration is None or p.iteration == iteration:
-                compute.append(((rank, p.chunk), p.kind, p.duration - inside.get((rank, i, "exposed"), 0.0)))
-                comm.append(((rank, p.chunk), p.kind, inside.get((rank, i, "comm"), 0.0)))
+                compute.append(((rank, p.chunk), p.kind, p.duration - total(rank, i, "exposed")))
+                comm.append(((rank, p.chunk), p.kind, total(rank, i, "comm")))
     return _means(compute), _means(comm)
 
 
@@ -383,22 +393,17 @@ def communication_shapes(path, iteration=None):
     its most common number of collectives: the computation before the first collective, between each one's end and
     the next's start, after the last; each collective from its start to its end. What simulate's `comm_shape`
     takes, so that an overlapped pair is priced turn by turn."""
-    timeline, _ = load_chrome_trace(path)
-    with open(path) as f:
-        spans = sorted((e["pid"], e["ts"] / 1e6, e["dur"] / 1e6) for e in json.load(f)["traceEvents"]
-                       if e.get("ph") == "X" and e.get("cat") == "comm"
-                       and (iteration is None or e["args"]["iteration"] == iteration))
+    timeline, inside = _collectives_in_passes(path, iteration)
     found = {}  # (rank, chunk, kind) -> [(computes, collectives) of each pass]
     for rank, row in enumerate(timeline.ranks):
-        for p in row:
+        for i, p in enumerate(row):
             if iteration is not None and p.iteration != iteration:
                 continue
-            inside = [(at, dur) for r, at, dur in spans if r == rank and p.start <= at <= p.end]
             computes, collectives, clock = [], [], p.start
-            for at, dur in inside:
+            for at, seconds in sorted(inside.get((rank, i, "comm"), ())):
                 computes.append(max(0.0, at - clock))
-                collectives.append(dur)
-                clock = at + dur
+                collectives.append(seconds)
+                clock = at + seconds
             computes.append(max(0.0, p.end - clock))
             found.setdefault((rank, p.chunk, p.kind), []).append((computes, collectives))
     table = {}

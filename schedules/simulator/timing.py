@@ -288,14 +288,12 @@ def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None):
         j = int(partner[i])
         if j < i:
             continue
-        keys = prog.keys[prog.key_of[i]], prog.keys[prog.key_of[j]]
-        shapes = shape(*keys[0][:3]), shape(*keys[1][:3])
-        if shapes[0] is None or shapes[1] is None:
+        # the backward starts (overlap.run_pair(backward, forward))
+        members = (i, j) if prog.keys[prog.key_of[i]][2] != 'F' else (j, i)
+        shapes = [shape(*prog.keys[prog.key_of[k]][:3]) for k in members]
+        if None in shapes:
             continue
-        order = (0, 1) if keys[0][2] != 'F' else (1, 0)  # the backward starts (overlap.run_pair(backward, forward))
-        index = (i, j)
-        parts = [scaled(shapes[o], costs[index[o]], extra[index[o]], kept[index[o]]) for o in order]
-        took = max(pair_ends(*parts))
+        took = max(pair_ends(*(scaled(s, costs[k], extra[k], kept[k]) for s, k in zip(shapes, members))))
         closed = out[i] + out[j]
         if closed > 0:
             out[i], out[j] = out[i] * took / closed, out[j] * took / closed
