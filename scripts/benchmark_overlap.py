@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", default=["deep"], choices=list(MODELS))
     p.add_argument("--rounds", type=int, default=1, help="visits of every speed")
     p.add_argument("--steps", type=int, default=4, help="steps of each run: the median of those after the first 2")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches a step (default: the model's, 16): "
+                   "more leave fewer of DualPipe's passes outside its pairs")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="what runs at each speed")
     p.add_argument("--no-auto", action="store_true", help="skip auto's predictions (a profile across the nodes)")
     common.add(p, "out", "docs", "timeout", out="runs/overlap", docs="overlap", timeout=900)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing
@@ -192,6 +195,8 @@ def main(argv=None):
     if args.smoke:
         MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=common.SMOKE_MOE["deep"])
         MODELS["gptlite"].update(micro_batch_size=2, micro_batches=4, flags=common.SMOKE_MOE["gptlite"])
+    for spec in MODELS.values():
+        spec["micro_batches"] = args.micro_batches or spec["micro_batches"]
     machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
@@ -202,8 +207,8 @@ def main(argv=None):
     try:
         for rnd, rate in common.visit_rates(nodes, args.rates, args.rounds, record["measured_rate"], started):
             for model in args.models:
-                for label in common.rotated(list(CONFIGS), rnd):
-                    if label == "duplicate" and not args.no_auto:  # auto's figures for this speed, once a round
+                for label in common.rotated(args.configs, rnd):
+                    if label == args.configs[-1] and not args.no_auto:  # auto's figures for this speed, once a round
                         for other, figure in auto_predicted(nodes, args, model).items():
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)

@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--link", default=None, help="every node's link speed: 1gbit, 200mbit, 50mbit ... (default: "
                                                 "unthrottled, about 10-20 Gbit/s here)")
     p.add_argument("--burst", type=int, default=None, help="bytes a link sends at full speed after being idle "
-                                                           "(default: 0.25 ms of its rate, at least 16 KiB)")
+                                                           "(default: 0.25 ms of its rate, at least 2000 B)")
     p.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--fault", default=None, help="cut:NODE@SECONDS | cut:NODE@stepN | kill:NODE@SECONDS | "
