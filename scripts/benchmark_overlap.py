@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="steps of each run: the median of those after the first 2")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches a step (default: the model's, 16): "
                    "more leave fewer of DualPipe's passes outside its pairs")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="what runs at each speed")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                   help="what runs at each speed")
     p.add_argument("--no-auto", action="store_true", help="skip auto's predictions (a profile across the nodes)")
     common.add(p, "out", "docs", "timeout", out="runs/overlap", docs="overlap", timeout=900)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing

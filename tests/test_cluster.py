@@ -1,6 +1,6 @@
 """Emulated nodes (emulated_nodes.py) and the multi-node runs of scripts/cluster.py.
 
-- a set link rate is what gloo sees (within 10%);
+- a set link rate is what gloo sees (within 10%), a message after an idle link included;
 - train.py across two nodes, through DeepSpeed's launcher in --no_ssh mode and through torchrun, trains
   as on one node;
 - a node cut off or killed mid-run ends every surviving node in one line within --dist-timeout plus a
@@ -92,7 +92,7 @@ def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
         made = namespaces_of(os.getpid())
         assert len(made) == 3
         tcp = nodes.measure()
-        gloo = float(on_both(nodes, "gloo_rate_probe.py"))
+        gloo, _ = map(float, on_both(nodes, "gloo_rate_probe.py").split())
         profile = json.loads(on_both(nodes, "p2p_profile_probe.py"))
     assert abs(gloo / 200e6 - 1) < 0.10, f"gloo got {gloo / 1e6:.1f} Mbit/s of 200"
     assert abs(tcp / 200e6 - 1) < 0.10, f"a TCP transfer got {tcp / 1e6:.1f} Mbit/s of 200"
@@ -106,6 +106,17 @@ def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
     # an all-to-all between the two moves half of each rank's payload across, both ways at once
     assert 0.35 < profile["a2a_per_byte"] / (8 / 200e6) < 0.8, profile
     assert not namespaces_of(os.getpid())
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+def test_a_slow_link_saves_up_no_bandwidth_while_it_idles():
+    # a 128 KiB message (a deep-model activation) after a pause crosses 50 Mbit/s at the rate, not faster: a bucket
+    # of 16 KiB let it through at 1.11-1.15x the rate (the default's 2000 bytes: 1.02); waiting only slows it
+    with EmulatedNodes(2, rate="50mbit") as nodes:
+        stream, message = map(float, on_both(nodes, "gloo_rate_probe.py").split())
+    assert abs(stream / 50e6 - 1) < 0.10, f"gloo got {stream / 1e6:.1f} Mbit/s of 50"
+    assert message / 50e6 < 1.06, f"a 128 KiB message after an idle link got {message / 1e6:.1f} Mbit/s of 50"
 
 
 @needs_namespaces
