@@ -470,7 +470,7 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes
     latency's, which the simulator charges between the two: counted here too, a slow link's was paid twice);
     an all-reduce of 4 bytes and of `reduce_bytes` over all ranks (what DualPipe's gradient sum costs); an
     all-to-all of a few bytes and of `a2a_bytes` a rank (a2a_latency, a2a_per_byte: per byte of what each rank puts
-    in: the experts' exchange of tokens). The
+    in: the experts' exchange of tokens, timed on the rank that enters it last). The
     least time of the repeats. Every rank of the group calls it, and gets the same figures."""
     import torch
     import torch.distributed as dist
@@ -536,6 +536,12 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes
         times = []
         for _ in range(repeats):
             dist.barrier()
+            if rank == 0:
+                # timed on the rank that enters last, as one always does in training: on gloo its send is posted
+                # before its receive, whose notice then waits behind the bytes already sending, so the two ways
+                # cross one after the other (42 ms for 1 MiB each way entered together at 200 Mbit/s, 83 ms on
+                # the later rank); which rank left the barrier first decided it before
+                time.sleep(0.002)
             t0 = time.perf_counter()
             dist.all_to_all_single(out, x)
             times.append(time.perf_counter() - t0)
