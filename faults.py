@@ -49,8 +49,12 @@ class Peers:
         self._connect = lambda: TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
         self._ending, self._stop = threading.Lock(), threading.Event()
         self._heard = {}  # rank 0: rank -> (its last heartbeat, when that changed)
+        self._heard_from_store = time.monotonic()  # when the watcher's store calls last returned
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
+        # A store call never returns once this node's link is cut (the client's timeout does not cover a
+        # connection whose peer went silent): a second thread, which makes no store calls, ends the rank then.
+        threading.Thread(target=self._deadline, daemon=True).start()
 
     @property
     def store(self):
@@ -110,12 +114,20 @@ class Peers:
     def _lost(self, status, what):
         """This rank cannot reach rank 0 (its node died, or this node was cut off): say so here, since no
         one else can, and end."""
-        with self._ending:
-            host, port = self._address
-            print(f"error: rank {self.rank} lost rank 0: its store at {host}:{port} cannot be reached (rank 0's "
-                  f"node died, or this node's link is down); {what}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(status)
+        # another thread may hold the lock while it waits on the lost store: end without it then
+        self._ending.acquire(timeout=2.0)
+        host, port = self._address
+        print(f"error: rank {self.rank} lost rank 0: its store at {host}:{port} cannot be reached (rank 0's "
+              f"node died, or this node's link is down); {what}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(status)
+
+    def _deadline(self):
+        """End this rank once the watcher's store calls have hung for --dist-timeout and rank 0's store no
+        longer accepts connections."""
+        while not self._stop.wait(self.PERIOD):
+            if time.monotonic() - self._heard_from_store > self.timeout_s and not self.reachable():
+                self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
 
     def _linger(self, wait_s=5.0):
         """Rank 0 hosts the store: keep it up until the other ranks have read the failure."""
@@ -146,7 +158,7 @@ class Peers:
             self.store.set(f"{self.PREFIX}beat/{self.rank}", "0")
         except Exception:  # no store to reach as a client: failures end as this rank's own errors
             return
-        beat, heard_from_store = 0, time.monotonic()
+        beat = 0
         keys = [f"{self.PREFIX}beat/{r}" for r in range(self.world)]
         while not self._stop.wait(self.PERIOD if beat else 0):
             try:
@@ -165,11 +177,11 @@ class Peers:
                     if stalled:
                         self.fail(1, f"rank {stalled} stopped responding for --dist-timeout {self.timeout_s} s "
                                      "(killed, stopped, cut off, or stuck), so the run ends")
-                heard_from_store = time.monotonic()
+                self._heard_from_store = time.monotonic()
             except Exception:
                 # rank 0, the store's host, may be gone: wait for it with a plain socket, not the store client
                 while not self.reachable() and not self._stop.is_set():
-                    if time.monotonic() - heard_from_store > self.timeout_s:
+                    if time.monotonic() - self._heard_from_store > self.timeout_s:
                         self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
                     self._stop.wait(self.PERIOD)
 

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -197,6 +198,28 @@ def test_a_lost_node_ends_every_node_in_one_line_and_the_run_resumes_exactly(fau
     assert sorted(resumed) == list(range(saved + 1, STEPS + 1))
     for step, loss in resumed.items():
         assert loss == pytest.approx(one_node[step], rel=1e-5), (step, loss, one_node[step])
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+def test_a_cut_off_rank_ends_itself_where_no_timeout_applies():
+    # the cut-off rank's store calls never return (the client's timeout does not cover a silent peer): with its
+    # main thread asleep, not in a collective that times out, only Peers' own deadline ends it (it ran for the
+    # whole 120 s before that deadline)
+    with EmulatedNodes(2) as nodes:
+        runs = []
+        thread = threading.Thread(target=lambda: runs.append(nodes.run_ranks(
+            ["tests/peers_cut_probe.py"], 29513, timeout=60, cwd=ROOT, extra_env={"PYTHONPATH": str(ROOT)})))
+        thread.start()
+        time.sleep(8)  # both ranks started and beating
+        nodes.cut(1)
+        cut = time.monotonic()
+        thread.join()
+        ended = time.monotonic() - cut
+    (status0, _, err0), (status1, _, err1) = runs[0]
+    assert (status0, status1) == (1, 1), runs
+    assert ended < 5 + 10, f"the ranks ended {ended:.0f} s after the cut (--dist-timeout 5 s): {runs}"
+    assert "error: rank 1 lost rank 0" in err1 and "stopped responding" in err0, runs
 
 
 @needs_namespaces
