@@ -113,6 +113,29 @@ def auto_run(nodes, args, model):
     return said
 
 
+def over_rounds(rounds):
+    """auto's figures of one speed over its rounds (each an auto_said with its fastest_ran): each candidate's median
+    prediction; the pick most rounds made (the earlier on a tie) with its median prediction and the median of its
+    runs; the median train.py run of each schedule that ran as the launch's fastest."""
+    predicted = {}
+    for said in rounds:
+        for label, step in said["predicted"].items():
+            predicted.setdefault(label, []).append(step)
+    picks = [said["pick"] for said in rounds]
+    pick = max(picks, key=lambda p: (picks.count(p), -picks.index(p)))
+    ran = [said["pick_ran_s"] for said in rounds if said["pick"] == pick and said["pick_ran_s"]]
+    mine = [said["pick_predicted_s"] for said in rounds if said["pick"] == pick and said["pick_predicted_s"]]
+    fastest = {}
+    for said in rounds:
+        f = said.get("fastest_ran")
+        if f:
+            fastest.setdefault(f["name"], []).append(f["step_s"])
+    return {"predicted": {k: statistics.median(v) for k, v in predicted.items()}, "pick": pick,
+            "picks": picks, "pick_predicted_s": statistics.median(mine) if mine else None,
+            "pick_ran_s": statistics.median(ran) if ran else None,
+            "ran_as_fastest": {k: statistics.median(v) for k, v in fastest.items()}}
+
+
 def _without_v(label):
     """An auto label's schedule and head, its chunks per rank left out ("interleaved v=2" -> "interleaved"): the
     launch's rows name a schedule so."""
@@ -159,7 +182,8 @@ def table(record):
         picks = record["auto"].get(model, {})
         if picks:
             lines += ["", "auto's pick: " + "; ".join(
-                f"{r}: {a['pick']} (predicted {a['pick_predicted_s'] * 1e3:.0f} ms, ran {a['pick_ran_s'] * 1e3:.0f}; "
+                f"{r}: {a['pick']}{_other_picks(a)} (predicted {a['pick_predicted_s'] * 1e3:.0f} ms, ran "
+                f"{a['pick_ran_s'] * 1e3:.0f}; "
                 f"fastest measured {a['fastest']} {a['fastest_s'] * 1e3:.0f} ms, the pick's own "
                 f"{a['pick_measured_s'] * 1e3:.0f} ms{_by_train(a)})"
                 if a.get("pick_measured_s") else f"{r}: {a['pick']}"
@@ -167,10 +191,20 @@ def table(record):
     return lines
 
 
+def _other_picks(a):
+    """The picks of the rounds, where they differ (as text for the table)."""
+    picks = a.get("picks", [])
+    return f" (rounds: {', '.join(picks)})" if len(set(picks)) > 1 else ""
+
+
 def _by_train(a):
-    """The pick against the launch's fastest, both run by train.py (fastest_run), as text for the table."""
+    """The pick against the launch's fastest, both run by train.py (fastest_run; over rounds, the median of the
+    rounds in which that schedule was the launch's fastest), as text for the table."""
     f = a.get("fastest_ran")
-    if not f or f["name"] in (a["pick"], _without_v(a["pick"])):  # the fastest is the pick
+    if "ran_as_fastest" in a:
+        step = a["ran_as_fastest"].get(a["fastest"])
+        f = {"name": a["fastest"], "step_s": step} if step else None
+    if not f or f["name"] in (a["pick"], _without_v(a["pick"])) or not a.get("pick_ran_s"):  # the fastest is the pick
         return ""
     return f"; by train.py: {f['name']} {f['step_s'] * 1e3:.0f} ms, the pick {a['pick_ran_s'] / f['step_s']:.2f}x it"
 
@@ -207,15 +241,18 @@ def main(argv=None):
                                                                  "--partition-method", "profile"])
                     cell = record["results"][model].setdefault("zb-v +vocab", {}).setdefault(rate, {"runs": []})
                     cell["runs"].append({"step_s": split})
-                if not args.no_auto:
-                    said = record["auto"][model][rate] = auto_run(nodes, args, model)
+                if not args.no_auto:  # a round's own auto run: its profile varies from launch to launch as steps do
+                    said = auto_run(nodes, args, model)
                     said["fastest_ran"] = fastest_run(nodes, args, model, record["results"][model], rate, said)
+                    record["auto"][model].setdefault(rate, {"rounds": []})["rounds"].append(said)
                 print(f"[{time.time() - started:.0f} s] {rate} {model}: " + ", ".join(
                     f"{n} {c[rate]['runs'][-1]['step_s'] * 1e3:.0f}" for n, c in record["results"][model].items()
                     if rate in c), flush=True)
     finally:
         nodes.close()
     for model, rows in record["results"].items():  # medians over rounds; auto's prediction beside each
+        for rate, a in record["auto"][model].items():
+            a.update(over_rounds(a["rounds"]))
         for name, per_rate in rows.items():
             for rate, cell in per_rate.items():
                 cell["step_s"] = statistics.median(r["step_s"] for r in cell["runs"])

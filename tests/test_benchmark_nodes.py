@@ -64,3 +64,22 @@ def test_the_fastest_schedule_is_run_by_train_py_beside_auto_s_pick(monkeypatch)
     said["pick"] = "zb-h2"
     assert bn.fastest_run(None, None, "deep", rows, "1gbit", said) == {"name": "zb-h2", "step_s": 0.41}
     assert len(ran) == 1
+
+
+def test_auto_s_figures_over_rounds_are_medians_of_each_round_s_own_launch():
+    # a launch's profile moves as its steps do (this machine: 10-20% launch to launch): one auto launch per round,
+    # and the table's prediction and run are the medians over the rounds, as its measured steps are
+    rounds = [{"predicted": {"zb-v +vocab": 0.61, "dualpipe": 0.70}, "pick": "zb-v +vocab", "pick_predicted_s": 0.61,
+               "pick_ran_s": 0.68, "fastest_ran": {"name": "zb-v +vocab", "step_s": 0.68}},
+              {"predicted": {"zb-v +vocab": 0.86, "dualpipe": 0.66}, "pick": "dualpipe", "pick_predicted_s": 0.66,
+               "pick_ran_s": 0.65, "fastest_ran": {"name": "zb-v +vocab", "step_s": 0.64}},
+              {"predicted": {"zb-v +vocab": 0.63}, "pick": "zb-v +vocab", "pick_predicted_s": 0.63, "pick_ran_s": 0.66,
+               "fastest_ran": {"name": "dualpipe", "step_s": 0.62}}]
+    a = bn.over_rounds(rounds)
+    assert a["predicted"] == pytest.approx({"zb-v +vocab": 0.63, "dualpipe": 0.68})
+    assert (a["pick"], a["picks"]) == ("zb-v +vocab", ["zb-v +vocab", "dualpipe", "zb-v +vocab"])
+    assert (a["pick_predicted_s"], a["pick_ran_s"]) == pytest.approx((0.62, 0.67))
+    assert a["ran_as_fastest"] == pytest.approx({"zb-v +vocab": 0.66, "dualpipe": 0.62})
+    a.update(fastest="dualpipe", fastest_s=0.60, pick_measured_s=0.63)
+    assert bn._by_train(a) == "; by train.py: dualpipe 620 ms, the pick 1.08x it"
+    assert bn.over_rounds(rounds[1:2])["pick"] == "dualpipe"
