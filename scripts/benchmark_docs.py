@@ -1223,6 +1223,8 @@ def publish(record, name):
         notes = None
     if isinstance(notes, dict) and isinstance(record.get("notes", {}), dict):
         record = {**record, "notes": {**notes, **record.get("notes", {})}}
+    elif notes is not None and "notes" not in record:  # (a text of notes: kept whole)
+        record = {**record, "notes": notes}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     return main([])

@@ -266,14 +266,8 @@ def main(argv=None):
     lines = table(record)
     lines.append(f"took {time.time() - started:.0f} s")
     print("\n".join(lines))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "nodes.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    with open(os.path.join(args.out, "nodes.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    common.save(args, "nodes", record, lines)  # with --docs, the earlier runs' notes kept
     if args.docs:
-        with open(os.path.join(common.BENCH_DIR, "nodes.json"), "w") as f:
-            json.dump(record, f, indent=1)
         common.write_marked("nodes.md", "nodes-table", lines)
 
 

@@ -106,5 +106,8 @@ def test_publishing_a_rerun_keeps_the_run_history_in_the_file(tmp_path, monkeypa
     written = json.loads((tmp_path / "x.json").read_text())
     assert written["table"] == ["new"]
     assert written["notes"] == {"first_run": {"table": ["older"]}, "this_run": "why"}
+    (tmp_path / "z.json").write_text(json.dumps({"table": ["old"], "notes": "the first run: 1.2x"}))
+    docs.publish({"table": ["new"]}, "z")  # notes as a text: kept whole
+    assert json.loads((tmp_path / "z.json").read_text()) == {"table": ["new"], "notes": "the first run: 1.2x"}
     docs.publish({"table": ["newer"]}, "y")  # no file before: the record as it is
     assert json.loads((tmp_path / "y.json").read_text()) == {"table": ["newer"]}
