@@ -123,8 +123,8 @@ class Peers:
         os._exit(status)
 
     def _deadline(self):
-        """End this rank once the watcher's store calls have hung for --dist-timeout and rank 0's store no
-        longer accepts connections."""
+        """End this rank once the watcher's store calls have failed or hung for --dist-timeout and rank 0's store
+        no longer accepts connections."""
         while not self._stop.wait(self.PERIOD):
             if time.monotonic() - self._heard_from_store > self.timeout_s and not self.reachable():
                 self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
@@ -179,10 +179,9 @@ class Peers:
                                      "(killed, stopped, cut off, or stuck), so the run ends")
                 self._heard_from_store = time.monotonic()
             except Exception:
-                # rank 0, the store's host, may be gone: wait for it with a plain socket, not the store client
+                # rank 0, the store's host, may be gone: wait for it with a plain socket, not the store client (whose
+                # retries flood the log); _deadline ends this rank if it stays gone
                 while not self.reachable() and not self._stop.is_set():
-                    if time.monotonic() - self._heard_from_store > self.timeout_s:
-                        self._lost(1, f"nothing heard from it for --dist-timeout {self.timeout_s} s")
                     self._stop.wait(self.PERIOD)
 
 

@@ -200,13 +200,10 @@ def _other_picks(a):
 def _by_train(a):
     """The pick against the launch's fastest, both run by train.py (fastest_run; over rounds, the median of the
     rounds in which that schedule was the launch's fastest), as text for the table."""
-    f = a.get("fastest_ran")
-    if "ran_as_fastest" in a:
-        step = a["ran_as_fastest"].get(a["fastest"])
-        f = {"name": a["fastest"], "step_s": step} if step else None
-    if not f or f["name"] in (a["pick"], _without_v(a["pick"])) or not a.get("pick_ran_s"):  # the fastest is the pick
+    name, step = a["fastest"], a.get("ran_as_fastest", {}).get(a["fastest"])
+    if not step or name in (a["pick"], _without_v(a["pick"])) or not a.get("pick_ran_s"):  # the fastest is the pick
         return ""
-    return f"; by train.py: {f['name']} {f['step_s'] * 1e3:.0f} ms, the pick {a['pick_ran_s'] / f['step_s']:.2f}x it"
+    return f"; by train.py: {name} {step * 1e3:.0f} ms, the pick {a['pick_ran_s'] / step:.2f}x it"
 
 
 def main(argv=None):

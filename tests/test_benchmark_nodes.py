@@ -55,7 +55,7 @@ def test_the_fastest_schedule_is_run_by_train_py_beside_auto_s_pick(monkeypatch)
     said = {"pick": "interleaved v=2", "pick_predicted_s": 0.39, "pick_ran_s": 0.41}
     assert bn.fastest_run(None, None, "deep", rows, "1gbit", said) == {"name": "zb-h2", "step_s": 0.40}
     assert ran == [["--pipeline-schedule", "zb-h2"]]
-    said.update(fastest="zb-h2", fastest_s=0.44, pick_measured_s=0.53, fastest_ran={"name": "zb-h2", "step_s": 0.40})
+    said.update(fastest="zb-h2", fastest_s=0.44, pick_measured_s=0.53, ran_as_fastest={"zb-h2": 0.40})
     record = {"machine": "m", "rates": ["1gbit"], "measured_rate": {"1gbit": "1 Gbit/s"},
               "results": {"deep": {n: {"1gbit": {"step_s": c["1gbit"]["runs"][0]["step_s"]}}
                                    for n, c in rows.items()}},
