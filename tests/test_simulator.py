@@ -137,6 +137,24 @@ def test_messages_between_two_ranks_share_their_link():
             simulate(name, 2, 4, latency=5.0, iterations=1).makespan, name
 
 
+class _NoticeAhead(DualPipeVPlacement):
+    notice_behind_sends = False
+
+
+def test_a_batch_that_sends_first_tells_its_peer_of_its_receive_behind_those_bytes():
+    """DeepSpeed's DualPipeVEngine posts a CommitP2P batch's sends before its receives, and gloo writes a receive's
+    ready-notice behind the bytes the rank is sending that peer: where both ranks exchange in one batch, the
+    second message crosses after the first. The simulator counts such a receive as posted once the rank's own sends
+    to that peer held the link: with a link (wire > 0) the step is longer by at least one message's wire and at
+    most one per exchange; with none, nothing changes."""
+    def step(placement, wire):
+        return simulate('dualpipev-deepspeed', 2, 4, placement=placement, latency=5.0, wire=wire,
+                        iterations=1).makespan
+    assert step(DualPipeVPlacement, 0.0) == step(_NoticeAhead, 0.0)
+    behind, ahead = step(DualPipeVPlacement, 5.0), step(_NoticeAhead, 5.0)
+    assert ahead + 5.0 <= behind <= ahead + 16 * 5.0
+
+
 @pytest.mark.parametrize('overlap', [False, True])
 def test_collectives_of_a_pass_and_an_overlapped_pair(overlap):
     """comm: a pass's own collectives (the experts' all-to-alls). Alone, a pass computes then waits for them; in

@@ -575,8 +575,14 @@ class _Simulation:
             if not self.placement.batched_p2p:
                 raise ScheduleError(f'{rk.at()}: {type(self.placement).__name__} has no CommitP2P '
                                     f'(its sends and receives are blocking)')
+            behind = {}  # peer: the rank's sends to it posted so far in this batch (their bytes go first)
             for q in rk.queued:
-                self._post(rk, q)
+                if q[_IS_SEND]:
+                    if q[_MSG][0] is not META:
+                        behind[q[_PEER]] = behind.get(q[_PEER], 0) + 1
+                    self._post(rk, q)
+                else:
+                    self._post(rk, q, behind.get(q[_PEER], 0) if self.placement.notice_behind_sends else 0)
             rk.waiting, rk.queued = rk.queued, []
         elif op is _RAISE:
             if isinstance(e[1], Exception):
@@ -751,9 +757,16 @@ class _Simulation:
             else:
                 rk.waiting = [op]
 
-    def _post(self, rk, op):
+    def _post(self, rk, op, behind=0):
+        """`op` posted; a receive whose ready-notice leaves behind `behind` messages of this rank's to the same
+        peer (`Placement.notice_behind_sends`) counts as posted once they held the link. Where the peer posted
+        later than those took, it is exact; where the two posted closer, the later one's bytes really go first
+        and this charges it up to one message's wire more, which a steady exchange's lag (one message) removes."""
         op[_POSTED] = rk.clock if op[_IS_SEND] or op[_MSG][0] is META or not self.placement.receives_ahead else \
             rk.ahead.get(op[_CHANNEL], rk.run_clock)
+        if behind and self.lanes is not None and op[_MSG][0] is not META:
+            for _ in range(behind):
+                op[_POSTED] = self._node(op[_POSTED], op[_POSTED], _WIRE)
         queues = self.channels.get(op[_CHANNEL])
         if queues is None:
             queues = self.channels[op[_CHANNEL]] = (deque(), deque())
