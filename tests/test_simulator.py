@@ -79,6 +79,15 @@ def test_latency_and_costs_in_seconds():
     assert r.per_rank[1]['idle_synced'] == 2 * 6.0
 
 
+def test_costs_that_cannot_make_a_backward_are_refused_in_one_line():
+    """A fused backward (BW) is its 'BW' or 'B' + 'W'; a B or W alone is half a 'BW'. Given 'B' without 'W' or
+    'BW', each was asked of the other until Python's recursion limit."""
+    refused = r"costs of rank \d, chunk 0: 'BW' asked for; give 'BW' or both 'B' and 'W'.*given: \['B', 'F'\]"
+    with pytest.raises(ValueError, match=refused):
+        simulate('1f1b', 2, 4, costs={(r, 0): {'F': 1.0, 'B': 2.0} for r in range(2)}, iterations=1)
+    assert simulate('1f1b', 2, 4, costs={(r, 0): {'F': 1.0, 'BW': 2.0} for r in range(2)}, iterations=1).makespan > 0
+
+
 def test_time_on_a_rank_besides_its_passes():
     """p2p_cpu: a send and a receive also take time on their own rank; dispatch: the engine's own
     work before each pass. Neither counts as busy."""

@@ -112,6 +112,9 @@ def _cost_function(costs):
             return listed(rank, chunk, kind, value)
         if value is not None:
             return value
+        if 'BW' not in c and not ('B' in c and 'W' in c):  # (else each would be asked of the other, forever)
+            raise ValueError(f"costs of rank {rank}, chunk {chunk}: {kind!r} asked for; give 'BW' or both 'B' and 'W' "
+                             f"(a fused backward is B + W, a B or W alone half a BW); given: {sorted(c)}")
         return table(rank, chunk, 'B', size) + table(rank, chunk, 'W', size) if kind == 'BW' else \
             table(rank, chunk, 'BW', size) / 2
     return table, 's'
