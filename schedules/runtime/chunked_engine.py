@@ -288,11 +288,12 @@ def _sum_in_place(grads, group):
     way against 56 for the all-reduce alone), the smaller ones through one flat copy, since gloo's cost per
     all-reduce outweighs their copy (GPTlite small's 146 gradients, 59 MB: 60-121 ms one each, 35-45 ms so;
     loopback, AMD EPYC). Summing two ranks' values is the same either way, bit for bit."""
-    small = [g for g in grads if g.numel() * g.element_size() < SMALL_GRADIENT_BYTES]
-    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads
-             if g.numel() * g.element_size() >= SMALL_GRADIENT_BYTES]
-    flat = torch.cat([g.reshape(-1) for g in small]) if small else None
-    if flat is not None:
+    small, large = [], []
+    for g in grads:
+        (small if g.numel() * g.element_size() < SMALL_GRADIENT_BYTES else large).append(g)
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in large]
+    if small:
+        flat = torch.cat([g.reshape(-1) for g in small])
         works.append(dist.all_reduce(flat, group=group, async_op=True))
     for work in works:
         work.wait()
