@@ -267,8 +267,9 @@ def deep_section(deep):
         "predicted" is the simulator's synchronised prediction of each traced step from that step's own F, B, W, BW
         times, the p2p latency measured by ping-pong, the time a send and a receive take on their own rank, and the
         engine's own time between instructions, all measured in the traces (`schedules.observe.trace`:
-        `measured_p2p_cpu` takes the median send and the median receive whose data had already been sent;
-        `measured_dispatch` the time between traced instructions per pass, median {dispatch * 1e3:.2f} ms here). A
+        `measured_p2p_cpu` takes the median send and the median receive whose data had arrived, one begun a
+        latency after its send ended; `measured_dispatch` the time between traced instructions per pass, median
+        {dispatch * 1e3:.2f} ms here). A
         predicted step adds the measured time outside the schedule (optimizer step, loss broadcast). The tables give
         medians over the traced steps; a bubble is the idle fraction of the traced schedule span on that rank. Raw
         numbers: [`bench/deep.json`](bench/deep.json).""")]

@@ -243,8 +243,8 @@ def analyse_throughput(ranks, args, m):
     from schedules.observe.trace import (
         measured_costs,
         measured_dispatch,
-        measured_p2p_cpu,
         one_iteration,
+        p2p_cpu_samples,
         stream_messages,
     )
     from schedules.simulator.simulate import simulate
@@ -255,9 +255,18 @@ def analyse_throughput(ranks, args, m):
     small = statistics.median(r.get("small_latency_s", latency) for r in ranks[:2])
     links = {"wire": max(latency - small, 0.0), "send_wait": small}
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
-    cpu = [measured_p2p_cpu(t, stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement))
-           for name, t in traces.items() if spec_of(name).placement.async_sends]
-    p2p_cpu = tuple(statistics.median(c[i] for c in cpu) for i in range(2)) if cpu else (0.0, 0.0)
+    # a send's and a receive's own time: the medians over every schedule with asynchronous sends (some receive
+    # nothing that arrived before they asked for it: 1F1B's lean engine over a slow link). A receive whose data had
+    # surely arrived began two latencies after its send ended: a message may queue behind one other on its link
+    # (two emulated nodes at 50 Mbit/s: receives begun 1-2 latencies after took 5-7 ms at the median, those
+    # begun later 0.2, as at 200 Mbit/s)
+    sends, receives = [], []
+    for name, t in traces.items():
+        if spec_of(name).placement.async_sends:
+            s, r = p2p_cpu_samples(t, stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement),
+                                   2 * latency)
+            sends, receives = sends + s, receives + r
+    p2p_cpu = tuple(statistics.median(v) if v else 0.0 for v in (sends, receives))
     rows = {}
     for name in ranks[0]["schedules"]:
         untimed = [dt for dt, traced in ranks[0]["schedules"][name]["steps"] if not traced]

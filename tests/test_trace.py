@@ -12,6 +12,7 @@ from schedules.observe.trace import (
     measured_latency,
     measured_p2p_cpu,
     one_iteration,
+    p2p_cpu_samples,
     paired_messages,
     predict,
 )
@@ -71,6 +72,17 @@ def test_engine_time_measured_from_the_trace():
     peer = [("RecvActivation", 1.5, 1.6, 0), ("RecvActivation", 2.7, 3.5, 0)]
     send, recv = measured_p2p_cpu([p2p, peer])
     assert send == pytest.approx(0.25) and recv == pytest.approx(0.1)
+
+
+def test_a_receive_counts_as_taking_its_data_in_only_once_the_data_could_have_crossed_the_link():
+    """Over a slow link a message whose send ended before its receive began may still be crossing: given the
+    link's latency, only a receive that began that long after its send ended measures the receive's own time."""
+    sends = [("SendActivation", 0.0, 0.01, 0), ("SendActivation", 1.0, 1.01, 0)]
+    # the first receive began 0.05 after its send and took 0.2 (it waited for the bytes); the second 0.5 after
+    receives = [("RecvActivation", 0.06, 0.26, 0), ("RecvActivation", 1.51, 1.52, 0)]
+    assert p2p_cpu_samples([sends, receives])[1] == [pytest.approx(0.2), pytest.approx(0.01)]
+    assert p2p_cpu_samples([sends, receives], latency=0.25) == ([pytest.approx(0.01)] * 2, [pytest.approx(0.01)])
+    assert measured_p2p_cpu([sends, receives], latency=0.25) == (pytest.approx(0.01), pytest.approx(0.01))
 
 
 def test_receives_are_paired_with_their_sends_by_the_schedules_own_streams_at_any_rank_count():

@@ -483,17 +483,25 @@ def _median(values):
     return statistics.median(values) if values else 0.0
 
 
-def measured_p2p_cpu(p2p_by_rank, messages=None):
-    """(send, receive): seconds a data send / receive instruction takes on its own rank, from the
-    traced p2p records of a run of engines with asynchronous sends: the median send (posting
-    it), and the median receive whose data had been sent before the receive began (so it did not
-    wait: taking the data in). Receives are paired with their sends by `paired_messages`; with no
-    pairs (more than 2 ranks and no `messages`), (0, 0)."""
+def p2p_cpu_samples(p2p_by_rank, messages=None, latency=0.0):
+    """([send], [receive]) seconds each data send / receive instruction took on its own rank, from the traced p2p
+    records of a run of engines with asynchronous sends: every send (posting it), and every receive whose data had
+    arrived before the receive began (so it did not wait: taking the data in), that is one that began at least
+    `latency` (the link's one-way time for a message) after its send ended. Over a slow link a message sent before
+    its receive began is still crossing it (128 KiB at 50 Mbit/s: 21 ms): counting those as taking the data in put
+    up to 5 ms in each receive, where the run's own took 0.3. Receives are paired with their sends by
+    `paired_messages`; with no pairs (more than 2 ranks and no `messages`), nothing."""
     pairs = paired_messages(p2p_by_rank, messages)
     if not pairs:
-        return 0.0, 0.0
+        return [], []
     sends = [end - start for events in p2p_by_rank for name, start, end, _ in events if name.startswith('Send')]
-    return _median(sends), _median([r[2] - r[1] for s, r in pairs if s[2] <= r[1]])
+    return sends, [r[2] - r[1] for s, r in pairs if s[2] + latency <= r[1]]
+
+
+def measured_p2p_cpu(p2p_by_rank, messages=None, latency=0.0):
+    """(send, receive): the medians of `p2p_cpu_samples` (0 where it has none)."""
+    sends, receives = p2p_cpu_samples(p2p_by_rank, messages, latency)
+    return _median(sends), _median(receives)
 
 
 def measured_latency(p2p_by_rank, messages=None, recv_cpu=0.0):
