@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from schedules import registry
 from schedules.errors import ScheduleError
-from schedules.placement import DualPipeVPlacement, SplitBackwardPlacement, StockPlacement
+from schedules.placement import DualPipeVPlacement, InterleavedPlacement, SplitBackwardPlacement, StockPlacement
 from schedules.registry import register_schedule
 from schedules.simulator.simulate import Compute, register_instruction, simulate
 from schedules.simulator.timeline import Timeline
@@ -126,11 +126,12 @@ def test_a_blocking_send_returns_once_its_bytes_are_handed_over():
     not when it arrives. DeepSpeed's 1F1B sends block: rank 0's second forward waits for its first send."""
     def second_forward(**links):
         return simulate('1f1b', 2, 4, latency=3.0, iterations=1, **links).timeline.ranks[0][1].start
-    # F0 ends at 1; its shape message's send done at 1 + wait; the data's receive posted once the shapes arrived
-    # (1 + 3), so the data's send done at 4 + wait
-    assert second_forward() == 4 + 3.0
-    assert second_forward(send_wait=0.0) == 4.0
-    assert second_forward(send_wait=0.5) == 4.5
+    # F0 ends at 1; its shape message (a few bytes) arrives a small message's latency later: send_wait where it is
+    # given, else the latency; the data's receive is posted once the shapes arrived (1 + wait), and the data's send
+    # is done a wait after that
+    assert second_forward() == 1 + 2 * 3.0
+    assert second_forward(send_wait=0.0) == 1.0
+    assert second_forward(send_wait=0.5) == 2.0
 
 
 def test_messages_between_two_ranks_share_their_link():
@@ -162,6 +163,27 @@ def test_a_batch_that_sends_first_tells_its_peer_of_its_receive_behind_those_byt
     assert step(DualPipeVPlacement, 0.0) == step(_NoticeAhead, 0.0)
     behind, ahead = step(DualPipeVPlacement, 5.0), step(_NoticeAhead, 5.0)
     assert ahead + 5.0 <= behind <= ahead + 16 * 5.0
+
+
+class _NoticeAheadOfSends(SplitBackwardPlacement):
+    notice_behind_sends = False
+
+
+class _InterleavedNoticeAheadOfSends(InterleavedPlacement):
+    notice_behind_sends = False
+
+
+def test_a_receive_posted_after_a_send_to_its_peer_counts_as_posted_once_those_bytes_held_the_link():
+    """Our engines post each channel's next receive as soon as the one before is taken, often right after sending
+    that peer a message: the receive's ready-notice crosses behind those bytes (the link is one queue, whatever the
+    communicator). ZB-H2 and interleaved on two ranks, unit costs, latency 5, wire 5: such a receive lets its
+    sender start later, the step is longer by about one wire. No link (wire 0), no change."""
+    for name, placement, off, later in (('zb-h2', SplitBackwardPlacement, _NoticeAheadOfSends, 5.0),
+                                        ('interleaved', InterleavedPlacement, _InterleavedNoticeAheadOfSends, 5.5)):
+        def step(where, **links):
+            return simulate(name, 2, 4, placement=where, latency=5.0, send_wait=0.1, iterations=1, **links).makespan
+        assert step(placement) == step(off)
+        assert step(placement, wire=5.0) == step(off, wire=5.0) + later, name
 
 
 @pytest.mark.parametrize('overlap', [False, True])

@@ -319,7 +319,7 @@ class _Simulation:
                         folds.append(len(nodes) - 1)
                     clock = len(nodes) + off
                     if ahead and not w[_IS_SEND] and w[_MSG][0] is not META:  # the channel's next receive: now
-                        rk.ahead[w[_CHANNEL]] = clock
+                        rk.ahead[w[_CHANNEL]] = self._notice(rank, w[_PEER], clock, it)
                     if w[_MSG][0] is META:
                         meta_waits.append(clock)
                     rk.waiting = ()
@@ -484,7 +484,8 @@ class _Simulation:
                     rk.queued.append(new)
                     continue
                 # post it (as _post)
-                new[_POSTED] = clock if is_send or not ahead else rk.ahead.get(e[9], rk.run_clock)
+                new[_POSTED] = clock if is_send else rk.ahead.get(e[9], rk.run_clock) if ahead else \
+                    self._notice(rank, peer, clock, it)
                 queues = channels.get(e[9])
                 if queues is None:
                     queues = channels[e[9]] = (deque(), deque())
@@ -757,13 +758,26 @@ class _Simulation:
             else:
                 rk.waiting = [op]
 
+    def _notice(self, rank, peer, clock, run):
+        """The node where a receive posted at `clock` counts as posted: with `Placement.notice_behind_sends` and
+        links, once the bytes this rank is sending `peer` (the messages that met so far) have held the link, gloo
+        writing the receive's ready-notice behind them."""
+        if self.lanes is None or not self.placement.notice_behind_sends:
+            return clock
+        last = self.lanes.get((rank, peer, run))
+        return clock if last is None else self._node(clock, last, _ZERO)
+
     def _post(self, rk, op, behind=0):
         """`op` posted; a receive whose ready-notice leaves behind `behind` messages of this rank's to the same
         peer (`Placement.notice_behind_sends`) counts as posted once they held the link. Where the peer posted
         later than those took, it is exact; where the two posted closer, the later one's bytes really go first
         and this charges it up to one message's wire more, which a steady exchange's lag (one message) removes."""
-        op[_POSTED] = rk.clock if op[_IS_SEND] or op[_MSG][0] is META or not self.placement.receives_ahead else \
-            rk.ahead.get(op[_CHANNEL], rk.run_clock)
+        if op[_IS_SEND] or op[_MSG][0] is META:
+            op[_POSTED] = rk.clock
+        elif self.placement.receives_ahead:
+            op[_POSTED] = rk.ahead.get(op[_CHANNEL], rk.run_clock)
+        else:
+            op[_POSTED] = rk.clock if self.placement.batched_p2p else self._notice(rk.rank, op[_PEER], rk.clock, rk.it)
         if behind and self.lanes is not None and op[_MSG][0] is not META:
             for _ in range(behind):
                 op[_POSTED] = self._node(op[_POSTED], op[_POSTED], _WIRE)
@@ -800,7 +814,8 @@ class _Simulation:
                 a, b = self._node(a, b, _ZERO), last
             self.lanes[key] = self._node(a, b, _WIRE)
         s[_DONE] = self._node(a, b, _SEND_WAIT)
-        arrived = self._node(a, b, _LATENCY)
+        # a tensor-shape message is a few bytes: there a send's wait (a small message's latency) once one is given
+        arrived = self._node(a, b, _SEND_WAIT if s[_MSG][0] is META else _LATENCY)
         r[_DONE] = self._node(arrived, arrived, _RECV_CPU)
 
     @staticmethod
