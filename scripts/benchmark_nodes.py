@@ -232,7 +232,8 @@ def main(argv=None):
                 rows = schedule_launch(nodes, args, model, names, weights.get(model))
                 for name, row in rows.items():
                     cell = record["results"][model].setdefault(name, {}).setdefault(rate, {"runs": []})
-                    cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"]})
+                    cell["runs"].append({"step_s": row["iter_s"], "simulated_s": row["predicted_iter_s"],
+                                         "held_messages": row["held_messages"], "held_s": row["held_s"]})
                 if model == "gptlite":
                     _, split = train_across(nodes, args, model, ["--pipeline-schedule", "zb-v", "--vocab-parallel",
                                                                  "--partition-method", "profile"])

@@ -241,6 +241,7 @@ def launch_worker(args, what, m, names):
 def analyse_throughput(ranks, args, m):
     from schedules.observe.plot import plot_measured_vs_predicted
     from schedules.observe.trace import (
+        held_messages,
         measured_costs,
         measured_dispatch,
         one_iteration,
@@ -299,6 +300,13 @@ def analyse_throughput(ranks, args, m):
                       "p2p_s": p2p, "dispatch_s": [dispatch[r] for r in range(len(ranks))],
                       "predicted_iter_s": predicted_span + overhead,
                       "predicted_bubble": [statistics.median(b) for b in predicted_bubbles]}
+        # the traced steps' messages held beyond their own crossing and one queued ahead (+10 ms), and the seconds
+        # their receivers waited past that: what the simulator does not model (trace.held_messages)
+        bar = 2 * latency + 0.01
+        spec = spec_of(name)
+        held = held_messages(traces[name], stream_messages(spec.factory, args.stages, m, spec.placement), bar)
+        rows[name]["held_messages"] = len(held)
+        rows[name]["held_s"] = sum(t for _, _, t in held)
         if "step_cuda_bytes" in ranks[0]["schedules"][name]:  # the step's peak above the resident memory
             rows[name]["step_cuda_bytes"] = [r["schedules"][name]["step_cuda_bytes"] for r in ranks]
     base = rows.get("1f1b")

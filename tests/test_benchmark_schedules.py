@@ -25,6 +25,7 @@ def test_tiny_benchmark_reports_every_figure(tmp_path):
         assert row["iter_s"] > 0 and row["samples_per_s"] > 0 and row["predicted_span_s"] > 0
         assert len(row["bubble"]) == len(row["predicted_bubble"]) == 2
         assert all(0 <= b < 1 for b in row["bubble"] + row["predicted_bubble"])
+        assert row["held_messages"] >= 0 and row["held_s"] >= 0.0  # messages held past what the link explains
     assert rows["1f1b"]["speedup"] == 1.0
     memory = report["memory"]["4"]
     assert memory["zb-v"]["units"] == [2.0, 2.0]  # ZB-V: 1F1B's p on every rank

@@ -6,6 +6,7 @@ import pytest
 
 from local_launch import ROOT, launch
 from schedules.observe.trace import (
+    held_messages,
     load_chrome_trace,
     measured_costs,
     measured_dispatch,
@@ -83,6 +84,22 @@ def test_a_receive_counts_as_taking_its_data_in_only_once_the_data_could_have_cr
     assert p2p_cpu_samples([sends, receives])[1] == [pytest.approx(0.2), pytest.approx(0.01)]
     assert p2p_cpu_samples([sends, receives], latency=0.25) == ([pytest.approx(0.01)] * 2, [pytest.approx(0.01)])
     assert measured_p2p_cpu([sends, receives], latency=0.25) == (pytest.approx(0.01), pytest.approx(0.01))
+
+
+def test_messages_held_beyond_what_their_link_takes_are_listed():
+    """A receiver that waited for its message past the send's end plus the bar waited that long for something the
+    link does not explain: held, for the time from the later of the bar and the receive's start. One that got its
+    message within the bar, or began after the message was there, is not."""
+    sends = [("SendGrad", 0.0, 0.01, 0), ("SendGrad", 1.0, 1.01, 0), ("SendGrad", 2.0, 2.01, 0),
+             ("SendGrad", 3.0, 3.01, 0)]
+    receives = [("RecvGrad", 0.02, 0.05, 0),  # within the bar
+                ("RecvGrad", 1.02, 1.2, 0),  # waiting from before the bar (1.11) to 1.2
+                ("RecvGrad", 2.5, 2.51, 0),  # began long after, the data there: its own 10 ms
+                ("RecvGrad", 3.5, 3.6, 0)]  # began after the bar and still waited 0.1
+    held = held_messages([sends, receives], bar=0.1, slack=0.02)
+    assert [(s, r) for s, r, _ in held] == [(sends[1], receives[1]), (sends[3], receives[3])]
+    assert [t for _, _, t in held] == [pytest.approx(0.09), pytest.approx(0.1)]
+    assert held_messages([sends, receives], bar=0.2, slack=0.02) == [(sends[3], receives[3], pytest.approx(0.1))]
 
 
 def test_receives_are_paired_with_their_sends_by_the_schedules_own_streams_at_any_rank_count():
