@@ -256,6 +256,8 @@ def analyse_throughput(ranks, args, m):
     small = statistics.median(r.get("small_latency_s", latency) for r in ranks[:2])
     links = {"wire": max(latency - small, 0.0), "send_wait": small}
     traces = {name: [r["schedules"][name]["p2p"] for r in ranks] for name in ranks[0]["schedules"]}
+    streams = {name: stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement)
+               for name in traces}  # who sends whom what, to pair the traced records
     # a send's and a receive's own time: the medians over every schedule with asynchronous sends (some receive
     # nothing that arrived before they asked for it: 1F1B's lean engine over a slow link). A receive whose data had
     # surely arrived began two latencies after its send ended: a message may queue behind one other on its link
@@ -264,9 +266,9 @@ def analyse_throughput(ranks, args, m):
     sends, receives = [], []
     for name, t in traces.items():
         if spec_of(name).placement.async_sends:
-            s, r = p2p_cpu_samples(t, stream_messages(spec_of(name).factory, args.stages, m, spec_of(name).placement),
-                                   2 * latency)
-            sends, receives = sends + s, receives + r
+            s, r = p2p_cpu_samples(t, streams[name], 2 * latency)
+            sends += s
+            receives += r
     p2p_cpu = tuple(statistics.median(v) if v else 0.0 for v in (sends, receives))
     rows = {}
     for name in ranks[0]["schedules"]:
@@ -302,9 +304,7 @@ def analyse_throughput(ranks, args, m):
                       "predicted_bubble": [statistics.median(b) for b in predicted_bubbles]}
         # the traced steps' messages held beyond their own crossing and one queued ahead (+10 ms), and the seconds
         # their receivers waited past that: what the simulator does not model (trace.held_messages)
-        bar = 2 * latency + 0.01
-        spec = spec_of(name)
-        held = held_messages(traces[name], stream_messages(spec.factory, args.stages, m, spec.placement), bar)
+        held = held_messages(traces[name], streams[name], 2 * latency + 0.01)
         rows[name]["held_messages"] = len(held)
         rows[name]["held_s"] = sum(t for _, _, t in held)
         if "step_cuda_bytes" in ranks[0]["schedules"][name]:  # the step's peak above the resident memory
