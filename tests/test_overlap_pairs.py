@@ -45,3 +45,55 @@ def test_a_forked_child_makes_its_own_worker():
         os._exit(0 if got == ["first", "second"] else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+class _Collective:
+    """A collective in flight until `done` is set (is_completed / wait, as torch's Work)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def is_completed(self):
+        return self.done.is_set()
+
+    def wait(self):
+        assert self.done.wait(10), "the collective never ended"
+
+
+def test_a_backward_s_queued_weight_gradients_fill_the_wait_and_the_rest_run_when_the_pair_ends():
+    """The backward queues works and issues a collective; the forward issues one too, so both wait: the pass given
+    the turn computes queued works, oldest first, until its collective ends (here after two of them), and the pair
+    computes the rest, each exactly once, before run_pair returns."""
+    log, queue = [], []
+    backward_comm, forward_comm = _Collective(), _Collective()
+
+    def compute(work):
+        log.append(("filled", work, "waiting" if not backward_comm.is_completed() else "after"))
+        if work == 1:
+            backward_comm.done.set()  # the link frees up while the second work computes
+
+    def backward():
+        overlap.fill_with(queue, compute)
+        queue.extend([0, 1, 2])  # B of the first layer, its weight-gradient works queued
+        overlap.wait_for(backward_comm)  # the forward computes; then the turn comes back with this still in flight
+        log.append("backward resumed")
+        queue.append(3)
+
+    def forward():
+        log.append("forward computes")
+        forward_comm.done.set()
+        overlap.wait_for(forward_comm)
+        log.append("forward resumed")
+
+    overlap.run_pair(backward, forward)
+    assert log[:4] == ["forward computes", ("filled", 0, "waiting"), ("filled", 1, "waiting"), "backward resumed"]
+    assert sorted(w for entry in log if entry[0] == "filled" for w in [entry[1]]) == [0, 1, 2, 3]
+    assert log[-2:] == [("filled", 2, "after"), ("filled", 3, "after")] and queue == []
+
+
+def test_without_a_filler_a_pair_waits_as_before():
+    comm = _Collective()
+    comm.done.set()
+    got = []
+    overlap.run_pair(lambda: (overlap.wait_for(comm), got.append("first")), lambda: got.append("second"))
+    assert got == ["second", "first"]

@@ -26,6 +26,7 @@ from schedules.instructions import BackwardInputPass, BackwardWeightPass, Forwar
 from schedules.runtime import messages, overlap
 from schedules.runtime.moe import expert_layers
 from schedules.runtime.split_engine import SplitBackwardEngine
+from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
 
 
 class ChunkedEngine(SplitBackwardEngine):
@@ -159,8 +160,30 @@ class ChunkedEngine(SplitBackwardEngine):
 
     def _pair_parts(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         """A ForwardBackwardPass's two passes: (forward, backward), each a function of no argument."""
-        return (partial(self._run_forward, fwd_buffer, fwd_chunk),
-                partial(self._run_backward if fused else self._run_backward_input, bwd_buffer, bwd_chunk))
+        backward = self._run_backward if fused else self._run_backward_input
+        if fused and self.fills_pairs():
+            backward = self._run_backward_filling
+        return (partial(self._run_forward, fwd_buffer, fwd_chunk), partial(backward, bwd_buffer, bwd_chunk))
+
+    def fills_pairs(self):
+        """Whether an overlapped pair's fused backward defers its weight gradients to fill the time both passes wait
+        for their collectives (overlap.fill_with). Not under DeepSpeed's BF16 optimizer, which moves gradients to
+        fp32 after each backward and would have to after each of those pieces too."""
+        return self.overlaps_pairs() and not self.using_bf16_optimizer
+
+    def _run_backward_filling(self, buffer_id, chunk):
+        with defer_weight_grads() as queue:
+            overlap.fill_with(queue, self._weight_grads_now)
+            self._run_backward_input(buffer_id, chunk, fused=True)
+
+    def _weight_grads_now(self, work):
+        """One deferred work's weight gradients, added into `.grad` as a W pass adds them (its hooks see them)."""
+        running, self._running_engine_backward = self._running_engine_backward, True
+        try:
+            with torch.enable_grad():  # inside a backward grad mode is off, and W's roots must record
+                apply_weight_grads([work], in_place=self._in_place)
+        finally:
+            self._running_engine_backward = running
 
     def _run_pair(self, forward, backward):
         if self.overlaps_pairs():  # the backward starts; each computes while the other's all-to-all is in flight

@@ -16,6 +16,12 @@ runs its own operations in its own order, on its own micro-batch), so an overlap
 sequential pair's results; and every rank issues its collectives in the same order (the turns alternate at each
 collective, the same way on every rank of a group that runs the same stream), which gloo and NCCL need.
 
+Where both passes wait for their collectives, the core would idle: a backward whose weight gradients are deferred
+(`fill_with`, the engine's fused backward in a pair) fills that time with them, one layer's at a time, the rest
+computed when the pair ends (Megatron's `mlp_dW` in the order above, but taken where the link holds both passes
+up, not at a fixed place). Each is the same arithmetic, added into its `.grad` in the order the backward queued it,
+so the results stay those of one pass after the other, to the bit.
+
 Outside a pair, `exchange` waits for its collective at once. A pass with no collective runs through in one turn:
 the pair is then the two passes one after the other, `first` first.
 """
@@ -37,6 +43,7 @@ class _Turns:
         self._cond = threading.Condition()
         self._turn = 0
         self._ended = [False, False]
+        self.filler = None  # weight-gradient works either party computes while its collective is in flight
 
     def wait(self, me):
         with self._cond:
@@ -79,6 +86,7 @@ def run_pair(first, second):
     done.wait()
     if failure:
         raise failure[0]
+    _fill(turns, None)  # what no wait took: computed now, before anything reads the gradients
 
 
 class _Worker:
@@ -120,6 +128,22 @@ def _worker():
         return _the_worker
 
 
+def fill_with(queue, compute):
+    """Within a pair: `queue` (a list the pass appends weight-gradient works to, weight_grad.py) is what either pass
+    computes, by `compute(work)`, when it has the turn back and its collective is still in flight, oldest first; what
+    is left is computed when the pair ends, before `run_pair` returns."""
+    _local.turns.filler = (queue, compute)
+
+
+def _fill(turns, work):
+    """Compute the pair's queued weight gradients, one work at a time, until `work` is done (None: all of them)."""
+    if not turns.filler:
+        return
+    queue, compute = turns.filler
+    while queue and (work is None or not work.is_completed()):
+        compute(queue.pop(0))
+
+
 def in_pair():
     return getattr(_local, 'turns', None) is not None
 
@@ -142,6 +166,7 @@ def wait_for(work, name="all-to-all", issued=None):
     turns = getattr(_local, 'turns', None)
     if turns is not None:
         turns.hand_over(_local.me)
+        _fill(turns, work)
     resumed = time.perf_counter() if _observers else None
     work.wait()
     if _observers:
