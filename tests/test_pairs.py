@@ -46,3 +46,15 @@ def test_a_shape_is_scaled_to_the_pass_s_costs():
     assert kernels == pytest.approx([0.25, 0.75])
     with pytest.raises(ValueError, match="one more computation than collectives"):
         pair_ends(([1.0], [1.0]), ([1.0], []))
+
+
+def test_the_backward_s_weight_gradients_fill_what_both_passes_wait():
+    """Backward 2 + 2 + 2 s around two 1.5 s collectives, forward 1 + 1 + 1 around two: the backward's collectives
+    have 1 s of the forward to hide behind, so the pair waits (10 s). With 3 s of the backward's computation its
+    deferred weight gradients, each piece of 2 s is 1 of B and leaves 1 to a pool, and the waits take from it:
+    by hand, the backward resumes at 2.0 with its collective due at 2.5 (0.5 filled), at 4.5 due at 5.0 (0.5
+    filled); both end at 6 and 7, and the 2 s left run after, 9 s in all. (A collective whose kernel holds the core
+    leaves nothing to fill: tests/test_benchmark_overlap.py.)"""
+    backward, forward = ([2.0, 2.0, 2.0], [1.5, 1.5]), ([1.0, 1.0, 1.0], [1.5, 1.5])
+    assert pair_ends(backward, forward) == pytest.approx((9.0, 10.0))
+    assert pair_ends(backward, forward, fill=3.0) == pytest.approx((9.0, 7.0))

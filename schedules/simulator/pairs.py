@@ -11,17 +11,25 @@ max(a1, c2) + max(a2, c1) of the totals misses; with even pieces the two agree.
 """
 
 
-def pair_ends(first, second):
+def pair_ends(first, second, fill=0.0):
     """When each pass of an overlapped pair ends, from the pair's start: (first's, second's). `first`, `second`:
     (computes, collectives[, kernels]) with len(computes) == len(collectives) + 1; `first` starts. `kernels`: the
     part of each collective that keeps the core busy (copying, the kernel's work), spread over its flight: a pass
     computing while the other's collective is in flight runs that much slower; a pass waiting for it loses nothing
-    more (the collective's own time holds it)."""
+    more (the collective's own time holds it). `fill`: seconds of `first`'s computation that are weight gradients
+    it defers (overlap.fill_with): each of its computes gives that share to a pool, which a pass given the turn
+    while its collective is in flight computes until the collective ends (on what of the core the collective's
+    kernel share leaves); what is left runs once both have ended, as the end of `first`."""
     parties = [(*p, [0.0] * len(p[1])) if len(p) == 2 else p for p in (first, second)]
     for computes, collectives, _ in parties:
         if len(computes) != len(collectives) + 1:
             raise ValueError(f"a pass's shape has {len(computes)} computations around {len(collectives)} "
                              f"collectives: one more computation than collectives expected")
+    total = sum(parties[0][0])
+    share = min(1.0, fill / total) if total > 0 and fill > 0 else 0.0
+    if share:  # the first pass computes the rest, and each piece leaves its weight gradients to the pool
+        parties[0] = ([a * (1.0 - share) for a in parties[0][0]], *parties[0][1:])
+    pool = 0.0
     t, turn = 0.0, 0
     flight = [None, None]  # the collective a pass issued last and has not waited for: (its end, its kernel's share)
     at = [0, 0]  # the next computation of each pass
@@ -29,9 +37,13 @@ def pair_ends(first, second):
     while ends[0] is None or ends[1] is None:
         me = turn
         computes, collectives, kernels = parties[me]
-        if flight[me] is not None:
-            t, flight[me] = max(t, flight[me][0]), None
+        if flight[me] is not None:  # the wait, filled with weight gradients where the collective leaves the core
+            end, kernel = flight[me]
+            pool -= min(pool, max(0.0, end - t) * (1.0 - kernel))
+            t, flight[me] = max(t, end), None
         t = _computed(t, computes[at[me]], flight[1 - me])
+        if me == 0 and share:
+            pool += computes[at[me]] * share / (1.0 - share)
         if at[me] < len(collectives):
             c = collectives[at[me]]
             flight[me] = (t + c, min(1.0, kernels[at[me]] / c) if c > 0 else 0.0)
@@ -41,6 +53,8 @@ def pair_ends(first, second):
         else:
             ends[me] = t
             turn = 1 - me
+    if pool > 0:
+        ends[0] = max(ends) + pool
     return ends[0], ends[1]
 
 

@@ -150,6 +150,27 @@ def _shape_function(shape):
     return table
 
 
+def _fill_function(costs):
+    """(rank, chunk, kind, size) -> the seconds of a fused backward's (BW's) computation that are its weight
+    gradients, which an overlapped pair computes while both its passes wait (overlap.fill_with): the table's W where
+    it has one (a list: its mean), else half the BW (the simulator's B = W = BW / 2); 0 for other kinds."""
+    def mean(value):
+        return sum(value) / len(value) if isinstance(value, list) else value
+
+    def fill(rank, chunk, kind, size):
+        if kind != 'BW':
+            return 0.0
+        if costs is None:
+            return _unit_cost('W', size)
+        if callable(costs):
+            return costs(rank, chunk, 'W')
+        c = costs[(rank, chunk)]
+        if 'W' in c:
+            return mean(c['W'])
+        return mean(c['BW']) / 2 if 'BW' in c else 0.0
+    return fill
+
+
 def _within_function(memory):
     """(rank, chunk, kind) -> bytes a pass holds above its start while it runs beyond what it leaves (a memory
     table's optional 'within': {kind: bytes} per (rank, chunk)); 0 for units and where the table says nothing."""
@@ -178,7 +199,7 @@ def _memory_function(memory):
 def simulate(schedule, stages, micro_batches, placement=None, costs=None, latency=0.0, iterations=5,
              forward_only=False, memory=None, p2p_cpu=(0.0, 0.0), dispatch=0.0, step_cost=0.0, validation=None,
              replayed=(), rollback_cost=0.0, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None,
-             comm_shape=None):
+             comm_shape=None, fill=True):
     """Simulate `schedule` on `stages` pipeline ranks with `micro_batches` micro-batches per iteration.
 
     schedule: a registered name, or a PipeSchedule class / factory(micro_batches, stages, stage_id).
@@ -205,6 +226,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     comm_shape: how each pass's computation and collectives alternate, {(rank, chunk): {kind: (computes,
     collectives)}} in seconds at any scale (trace.communication_shapes) or f(rank, chunk, kind); an overlapped pair
     whose two passes both have one takes what its turns take (simulator/pairs.py) instead of the closed form.
+    fill: with `comm_shape`, a paired fused backward's weight gradients (the costs' W, else half its BW) fill the
+    time both passes wait, as the engines do (overlap.fill_with); False: not (the engines under the BF16 optimizer).
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the
@@ -279,7 +302,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
         cost = _cost_function(costs)[0]  # per run: listed costs start from their first again
         out = _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback_cost, run_iteration,
                       wasted, memo, send_wait, wire, _comm_function(comm), overlap,
-                      _comm_function(comm_cpu), _shape_function(comm_shape))
+                      _comm_function(comm_cpu), _shape_function(comm_shape),
+                      _fill_function(costs) if fill else None)
         if n == 1:
             out.peak = _peaks(first, _memory_function(memory), forward_only, _within_function(memory))
             out.messages = first.messages

@@ -188,7 +188,8 @@ def _columns(prog):
 
 
 def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollback, run_iteration, wasted,
-            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None, comm_shape=None):
+            memo=None, send_wait=None, wire=0.0, comm=None, overlap=True, comm_cpu=None, comm_shape=None,
+            comm_fill=None):
     """The times of `segments`, [(program, its first run), ...] one after the other (each starting where the last
     ended), at these costs. A pass's iteration is its run's (`run_iteration`); `wasted`: the runs whose step rolls
     back (`rollback` seconds). `memo` keeps the first segment's times for a next call with the same params.
@@ -196,7 +197,9 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     long it holds its link. `comm(rank, chunk, kind)`: the seconds a pass waits for collectives of its own (the
     experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm);
     `comm_cpu(rank, chunk, kind)`: the part of those that keeps the rank's core busy (None: none);
-    `comm_shape(rank, chunk, kind)`: how a pass's computation and collectives alternate (None: unknown)."""
+    `comm_shape(rank, chunk, kind)`: how a pass's computation and collectives alternate (None: unknown);
+    `comm_fill(rank, chunk, kind, size)`: the seconds of a paired backward's computation that are weight gradients it
+    computes while both passes wait (overlap.fill_with; None: none)."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
@@ -220,7 +223,7 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
         else:  # taken in turn: in each rank's order
             costs = np.array([cost(t[0], t[3], t[1], t[11]) for t in prog.passes], dtype=np.float64)
         if comm is not None:
-            costs = _with_comm(prog, costs, comm, overlap, comm_cpu, comm_shape)
+            costs = _with_comm(prog, costs, comm, overlap, comm_cpu, comm_shape, comm_fill)
         params = np.concatenate([np.array(head + blocks, dtype=np.float64), costs])
         var = _timing_variant(prog, common + (all(x == 0 for x in blocks), ), nonneg)
         kept = memo.get('first') if memo is not None and n == 0 else None
@@ -264,14 +267,15 @@ def _partners(prog):
     return found
 
 
-def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None):
+def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None, fill=None):
     """The passes' times with their collectives: a pass alone waits for its own after its computation (a + c); the
     two passes of an overlapped pair take turns on the core, each computing while the other's collective is in
     flight, so the pair costs max(a1 + k1, c2) + max(a2 + k2, c1) (computation a, collectives c, of which k keeps
     the core busy: copying, the kernel's work, which no turn hides; both the sums when either side has nothing in
     flight, all of it hidden when each computation outlasts the other's collective). Where `shape` gives both
     passes' shapes (how computation and collectives alternate in each), the pair takes what its turns take
-    (pairs.pair_ends), split between its passes as the closed form splits it."""
+    (pairs.pair_ends, the backward's weight gradients filling the waits where `fill` gives them), split between its
+    passes as the closed form splits it."""
     def per_pass(f):
         return np.array([f(rank, chunk, kind) for rank, chunk, kind, _ in prog.keys], dtype=np.float64)[prog.key_of]
     extra = per_pass(comm)
@@ -293,7 +297,9 @@ def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None):
         shapes = [shape(*prog.keys[prog.key_of[k]][:3]) for k in members]
         if None in shapes:
             continue
-        took = max(pair_ends(*(scaled(s, costs[k], extra[k], kept[k]) for s, k in zip(shapes, members))))
+        backward = prog.keys[prog.key_of[members[0]]]
+        took = max(pair_ends(*(scaled(s, costs[k], extra[k], kept[k]) for s, k in zip(shapes, members)),
+                             fill=fill(*backward) if fill is not None else 0.0))
         closed = out[i] + out[j]
         if closed > 0:
             out[i], out[j] = out[i] * took / closed, out[j] * took / closed
