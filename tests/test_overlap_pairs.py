@@ -97,3 +97,21 @@ def test_without_a_filler_a_pair_waits_as_before():
     got = []
     overlap.run_pair(lambda: (overlap.wait_for(comm), got.append("first")), lambda: got.append("second"))
     assert got == ["second", "first"]
+
+
+def test_a_pass_alone_fills_its_own_waits():
+    """run_alone: a backward with no partner computes its queued weight gradients while its collective is in flight,
+    and the rest when it ends."""
+    log, queue, comm = [], [], _Collective()
+
+    def compute(work):
+        log.append((work, "waiting" if not comm.is_completed() else "after"))
+        comm.done.set()
+
+    def backward():
+        overlap.fill_with(queue, compute)
+        queue.extend([0, 1])
+        overlap.wait_for(comm)
+        queue.append(2)
+    overlap.run_alone(backward)
+    assert log == [(0, "waiting"), (1, "after"), (2, "after")] and queue == []

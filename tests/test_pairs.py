@@ -58,3 +58,11 @@ def test_the_backward_s_weight_gradients_fill_what_both_passes_wait():
     backward, forward = ([2.0, 2.0, 2.0], [1.5, 1.5]), ([1.0, 1.0, 1.0], [1.5, 1.5])
     assert pair_ends(backward, forward) == pytest.approx((9.0, 10.0))
     assert pair_ends(backward, forward, fill=3.0) == pytest.approx((9.0, 7.0))
+
+
+def test_a_fused_backward_alone_fills_its_own_wait():
+    """A lone BW of 1 + 1 s around a 2 s collective: 4 s; half its computation weight gradients, 0.5 s of them wait
+    under the collective, 3.5 s (the simulator's lone passes: timing._with_comm)."""
+    alone = ([0.0], [], [])
+    assert pair_ends(([1.0, 1.0], [2.0]), alone)[0] == pytest.approx(4.0)
+    assert pair_ends(([1.0, 1.0], [2.0]), alone, fill=1.0)[0] == pytest.approx(3.5)

@@ -153,22 +153,24 @@ class ChunkedEngine(SplitBackwardEngine):
             SplitBackwardEngine._exec_backward_weight_pass(self, self._slot(buffer_id, chunk))
 
     def _run_backward(self, buffer_id, chunk):
-        self._run_backward_input(buffer_id, chunk, fused=True)
+        if self.fills_pairs():  # alone, its weight gradients fill its own waits for its collectives
+            overlap.run_alone(partial(self._run_backward_filling, buffer_id, chunk))
+        else:
+            self._run_backward_input(buffer_id, chunk, fused=True)
 
     def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         self._run_pair(*self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused))
 
     def _pair_parts(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         """A ForwardBackwardPass's two passes: (forward, backward), each a function of no argument."""
-        backward = self._run_backward if fused else self._run_backward_input
-        if fused and self.fills_pairs():
-            backward = self._run_backward_filling
+        backward = self._run_backward_filling if fused and self.fills_pairs() else \
+            self._run_backward if fused else self._run_backward_input
         return (partial(self._run_forward, fwd_buffer, fwd_chunk), partial(backward, bwd_buffer, bwd_chunk))
 
     def fills_pairs(self):
         """Whether an overlapped pair's fused backward defers its weight gradients to fill the time both passes wait
-        for their collectives (overlap.fill_with). Not under DeepSpeed's BF16 optimizer, which moves gradients to
-        fp32 after each backward and would have to after each of those pieces too."""
+        for their collectives (overlap.fill_with), and a fused backward alone its own waits. Not under DeepSpeed's
+        BF16 optimizer, which moves gradients to fp32 after each backward and would have to after each piece."""
         return self.overlaps_pairs() and not self.using_bf16_optimizer
 
     def _run_backward_filling(self, buffer_id, chunk):

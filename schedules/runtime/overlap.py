@@ -89,6 +89,19 @@ def run_pair(first, second):
     _fill(turns, None)  # what no wait took: computed now, before anything reads the gradients
 
 
+def run_alone(fn):
+    """`fn()`, a pass with no other to pair with, as a pair of one: its waits for its collectives are filled as a
+    pair's are (`fill_with`), the rest computed when it ends."""
+    turns = _Turns()
+    turns._ended[1] = True  # no other party: the turn never leaves
+    _local.turns, _local.me = turns, 0
+    try:
+        fn()
+    finally:
+        _local.turns = None
+    _fill(turns, None)
+
+
 class _Worker:
     """One long-lived thread that runs every pair's `first` pass. Why not a new thread per pair: glibc gives each
     new thread a malloc arena in turn, so threads made per pair spread the passes' buffers over many arenas, and

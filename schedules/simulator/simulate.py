@@ -153,7 +153,8 @@ def _shape_function(shape):
 def _fill_function(costs):
     """(rank, chunk, kind, size) -> the seconds of a fused backward's (BW's) computation that are its weight
     gradients, which an overlapped pair computes while both its passes wait (overlap.fill_with): the table's W where
-    it has one (a list: its mean), else half the BW (the simulator's B = W = BW / 2); 0 for other kinds."""
+    it has one (a list: its mean), else the BW times W's share of a split backward of the rank's other chunks, else
+    half the BW (the simulator's B = W = BW / 2); 0 for other kinds."""
     def mean(value):
         return sum(value) / len(value) if isinstance(value, list) else value
 
@@ -167,7 +168,12 @@ def _fill_function(costs):
         c = costs[(rank, chunk)]
         if 'W' in c:
             return mean(c['W'])
-        return mean(c['BW']) / 2 if 'BW' in c else 0.0
+        if 'BW' not in c:
+            return 0.0
+        # the share of W in a backward of this rank's other chunks where one ran split (DualPipe's last ones)
+        split = [(mean(o['B']), mean(o['W'])) for (r, _), o in costs.items() if r == rank and 'B' in o and 'W' in o]
+        share = sum(w for _, w in split) / sum(b + w for b, w in split) if split else 0.5
+        return mean(c['BW']) * share
     return fill
 
 

@@ -288,6 +288,12 @@ def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None, fill=None):
     out = np.where(paired, np.maximum(busy, extra[np.where(paired, partner, 0)]), costs + extra)
     if shape is None:
         return out
+    if fill is not None:  # a fused backward alone fills its own waits with its weight gradients (overlap.run_alone)
+        for i in np.nonzero(~paired)[0].tolist():
+            key = prog.keys[prog.key_of[i]]
+            s = shape(*key[:3]) if key[2] == 'BW' else None
+            if s is not None:
+                out[i] = pair_ends(scaled(s, costs[i], extra[i], kept[i]), ([0.0], [], []), fill=fill(*key))[0]
     for i in np.nonzero(paired)[0].tolist():
         j = int(partner[i])
         if j < i:
