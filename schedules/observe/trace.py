@@ -145,6 +145,7 @@ def _wrap(instr_type, handler):
 
         forward, backward = self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
         self._run_pair(timed('F', forward), timed('B', backward))
+        self._pair_done(bwd_chunk, fused)
         fwd_kind, bwd_kind = paired_kinds(fused)
         for (kind, chunk, buffer_id), (start, end, m0, m1) in sorted(
                 zip(((fwd_kind, fwd_chunk, fwd_buffer), (bwd_kind, bwd_chunk, bwd_buffer)), (spans['F'], spans['B'])),

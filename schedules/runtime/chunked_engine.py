@@ -36,6 +36,8 @@ class ChunkedEngine(SplitBackwardEngine):
         self._passes = threading.local()  # the active chunk, per thread: an overlapped pair runs two passes at once
         self._chunk = None  # no chunk active: is_first/last_stage() answer for the rank
         self._overlapping = None
+        self._early_order = None  # whether the copies' gradient sums may start chunk by chunk (_sums_early)
+        self._sums, self._backwards_left = {}, {}
         self._ready = False  # PipelineEngine.__init__ warms p2p up by rank, as if each held one stage
         super().__init__(*args, **kwargs)
         self._ready = True
@@ -104,7 +106,62 @@ class ChunkedEngine(SplitBackwardEngine):
         self._steps_micro_batches = pipe_schedule.micro_batches
         self._batches, self._handover = None, {}
         self._loaded.clear()
+        self._sums = {}
+        self._backwards_left = Counter(self._gradient_ends(pipe_schedule)) if self._sums_early(pipe_schedule) else {}
         super()._exec_schedule(pipe_schedule)
+
+    # --- the copies' gradient sum, a chunk's started once its last backward is done ----------
+    @staticmethod
+    def _gradient_ends(pipe_schedule):
+        """The chunk of each instruction of the step that ends a backward's gradients (a fused backward, alone or
+        paired, or a W), in order."""
+        ends = []
+        for step in pipe_schedule:
+            for cmd in step:
+                kind, kw = type(cmd), cmd.kwargs
+                if kind in (ds.BackwardPass, BackwardWeightPass):
+                    ends.append(kw.get('chunk', 0))
+                elif kind is ForwardBackwardPass and kw['fused']:
+                    ends.append(kw['bwd_chunk'])
+        return ends
+
+    def _sums_early(self, pipe_schedule):
+        """Whether each chunk's share of the copies' gradient sum may start once its last backward is done: on the
+        mirror placement, where both copies of every stage this rank holds finish its gradients in the same order
+        (the schedule's streams of this rank and its mirror say so; the sums share one communicator, where
+        collectives match by order), outside the BF16 optimizer (whose fp32 gradients are made at the step's
+        end)."""
+        if not self._mirror or self.using_bf16_optimizer or pipe_schedule is not getattr(self, '_schedule', None):
+            return False
+        if self._early_order is None:
+            p = self.num_stages
+
+            def stage_order(stage):
+                schedule = self.schedule_cls(micro_batches=pipe_schedule.micro_batches, stages=p, stage_id=stage)
+                ends = self._gradient_ends(schedule)
+                done = sorted(set(ends), key=lambda c: max(i for i, e in enumerate(ends) if e == c))
+                return [self.placement.stage(stage, c) for c in done]
+            self._early_order = stage_order(self.stage_id) == stage_order(p - 1 - self.stage_id)
+        return self._early_order
+
+    def _backward_done(self, chunk):
+        """After an instruction that ends a backward of `chunk`: with its last of the step, its gradients' sum
+        starts (where they are all fp32 tensors of their own; else it waits for ReduceGrads)."""
+        if chunk in self._backwards_left:
+            self._backwards_left[chunk] -= 1
+            if self._backwards_left[chunk] == 0:
+                _, grads = self._summed_gradients([chunk])
+                if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+                    self._sums[chunk] = _start_sum(grads, self._mirror_group)
+
+    def _summed_gradients(self, chunks):
+        """(parameters, gradients) of `chunks` that the copies sum: not the tied ones (DeepSpeed's ReduceTiedGrads
+        already summed them over every rank that holds a copy), nor the experts the copies share
+        (moe.shared_by_copies: no copy of the other rank's, each holds its own)."""
+        tied = self.module.tied_parameter_ids()
+        params = [p for c in chunks for p in self.module.chunk_parameters(c)
+                  if p.requires_grad and id(p) not in tied and not getattr(p, 'shared_by_copies', False)]
+        return params, [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
 
     def _next_batch(self):
         """The micro-batch a LoadMicroBatch of the active chunk wants: its next input (first stage)
@@ -151,21 +208,30 @@ class ChunkedEngine(SplitBackwardEngine):
     def _run_backward_weight(self, buffer_id, chunk):
         with self._in_chunk(chunk):
             SplitBackwardEngine._exec_backward_weight_pass(self, self._slot(buffer_id, chunk))
+        self._backward_done(chunk)
 
     def _run_backward(self, buffer_id, chunk):
         if self.fills_pairs():  # alone, its weight gradients fill its own waits for its collectives
             overlap.run_alone(partial(self._run_backward_filling, buffer_id, chunk))
         else:
             self._run_backward_input(buffer_id, chunk, fused=True)
+        self._backward_done(chunk)
 
     def _run_forward_backward(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         self._run_pair(*self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused))
+        self._pair_done(bwd_chunk, fused)
+
+    def _pair_done(self, bwd_chunk, fused):
+        if fused:  # its backward was whole: the chunk's gradients may be complete
+            self._backward_done(bwd_chunk)
 
     def _pair_parts(self, fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused):
         """A ForwardBackwardPass's two passes: (forward, backward), each a function of no argument."""
-        backward = self._run_backward_filling if fused and self.fills_pairs() else \
-            self._run_backward if fused else self._run_backward_input
-        return (partial(self._run_forward, fwd_buffer, fwd_chunk), partial(backward, bwd_buffer, bwd_chunk))
+        if fused and self.fills_pairs():
+            backward = partial(self._run_backward_filling, bwd_buffer, bwd_chunk)
+        else:
+            backward = partial(self._run_backward_input, bwd_buffer, bwd_chunk, fused=fused)
+        return partial(self._run_forward, fwd_buffer, fwd_chunk), backward
 
     def fills_pairs(self):
         """Whether an overlapped pair's fused backward defers its weight gradients to fill the time both passes wait
@@ -231,16 +297,16 @@ class ChunkedEngine(SplitBackwardEngine):
     def _exec_reduce_grads(self):
         if self._mirror:  # each copy of a stage gets the sum of both copies' gradients, so they stay equal
             chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
-            # tied parameters: DeepSpeed's ReduceTiedGrads already summed them over every rank that holds a copy
-            tied = self.module.tied_parameter_ids()
-            # experts the copies share (moe.shared_by_copies) are no copy of the other rank's: each holds its own
-            params = [p for c in chunks for p in self.module.chunk_parameters(c)
-                      if p.requires_grad and id(p) not in tied and not getattr(p, 'shared_by_copies', False)]
-            grads = [(p._hp_grad if self.using_bf16_optimizer else p.grad) for p in params]
-            if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
-                _sum_in_place(grads, self._mirror_group)
-            else:
-                _sum_flat(params, grads, self._mirror_group)
+            rest = [c for c in chunks if c not in self._sums]
+            if rest:
+                params, grads = self._summed_gradients(rest)
+                if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+                    _start_sum(grads, self._mirror_group)()
+                else:
+                    _sum_flat(params, grads, self._mirror_group)
+            for finish in self._sums.values():  # those started as their chunk's last backward ended
+                finish()
+            self._sums = {}
         super()._exec_reduce_grads()
 
     def _loss_shared_early(self):
@@ -307,25 +373,29 @@ class ChunkedEngine(SplitBackwardEngine):
 SMALL_GRADIENT_BYTES = 1 << 20  # below this, gradients are summed together in one flat buffer
 
 
-def _sum_in_place(grads, group):
-    """Every fp32 gradient summed over `group`, all in flight at once: those of 1 MiB or more where they lie, one
-    all-reduce each (no flat copy made and copied back: 64 MiB of DualPipe's deep-model gradients took 110 ms that
-    way against 56 for the all-reduce alone), the smaller ones through one flat copy, since gloo's cost per
-    all-reduce outweighs their copy (GPTlite small's 146 gradients, 59 MB: 60-121 ms one each, 35-45 ms so;
-    loopback, AMD EPYC). Summing two ranks' values is the same either way, bit for bit."""
+def _start_sum(grads, group):
+    """Every fp32 gradient summed over `group`, all in flight at once; returns what waits for them. Those of 1 MiB
+    or more where they lie, one all-reduce each (no flat copy made and copied back: 64 MiB of DualPipe's deep-model
+    gradients took 110 ms that way against 56 for the all-reduce alone), the smaller ones through one flat copy,
+    since gloo's cost per all-reduce outweighs their copy (GPTlite small's 146 gradients, 59 MB: 60-121 ms one each,
+    35-45 ms so; loopback, AMD EPYC). Summing two ranks' values is the same in any grouping, bit for bit."""
     small, large = [], []
     for g in grads:
         (small if g.numel() * g.element_size() < SMALL_GRADIENT_BYTES else large).append(g)
     works = [dist.all_reduce(g, group=group, async_op=True) for g in large]
+    flat = None
     if small:
         flat = torch.cat([g.reshape(-1) for g in small])
         works.append(dist.all_reduce(flat, group=group, async_op=True))
-    for work in works:
-        work.wait()
-    offset = 0
-    for g in small:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+
+    def finish():
+        for work in works:
+            work.wait()
+        offset = 0
+        for g in small:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return finish
 
 
 def _sum_flat(params, grads, group):
