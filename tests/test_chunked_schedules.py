@@ -121,3 +121,20 @@ def test_resume_gives_the_same_next_losses(schedule, interlock, zero0_config, tm
     assert [resumed_losses[s] for s in (3, 4)] == pytest.approx([full_losses[s] for s in (3, 4)], abs=TOL)
     if interlock:  # validation at steps 0, 2 and 4 (the resumed run: 4)
         assert records("resumed.jsonl", "val_loss")[4] == pytest.approx(records("full.jsonl", "val_loss")[4], abs=TOL)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dualpipe_copies_end_their_stages_gradients_in_one_order(p):
+    """What lets the copies' gradient sum start chunk by chunk (ChunkedEngine._backward_done): in DualPipe's streams
+    every rank and its mirror end the gradients of the two stages they share in the same order, and each chunk's
+    gradient-ending instructions (fused backwards, alone or paired, and Ws) number its micro-batches, so the count
+    reaches zero at its last."""
+    from schedules.placement import MirrorPlacement
+    from schedules.registry import schedule_spec
+    from schedules.runtime.chunked_engine import gradient_ends, gradient_order
+    cls, placement, m = schedule_spec("dualpipe").factory, MirrorPlacement(p), 2 * p
+    for r in range(p):
+        assert gradient_order(cls, placement, r, p, m) == gradient_order(cls, placement, p - 1 - r, p, m)
+        assert sorted(gradient_order(cls, placement, r, p, m)) == sorted({r, p - 1 - r})
+        ends = gradient_ends(cls(micro_batches=m, stages=p, stage_id=r))
+        assert ends.count(0) == ends.count(1) == m // 2

@@ -107,24 +107,10 @@ class ChunkedEngine(SplitBackwardEngine):
         self._batches, self._handover = None, {}
         self._loaded.clear()
         self._sums = {}
-        self._backwards_left = Counter(self._gradient_ends(pipe_schedule)) if self._sums_early(pipe_schedule) else {}
+        self._backwards_left = Counter(gradient_ends(pipe_schedule)) if self._sums_early(pipe_schedule) else {}
         super()._exec_schedule(pipe_schedule)
 
     # --- the copies' gradient sum, a chunk's started once its last backward is done ----------
-    @staticmethod
-    def _gradient_ends(pipe_schedule):
-        """The chunk of each instruction of the step that ends a backward's gradients (a fused backward, alone or
-        paired, or a W), in order."""
-        ends = []
-        for step in pipe_schedule:
-            for cmd in step:
-                kind, kw = type(cmd), cmd.kwargs
-                if kind in (ds.BackwardPass, BackwardWeightPass):
-                    ends.append(kw.get('chunk', 0))
-                elif kind is ForwardBackwardPass and kw['fused']:
-                    ends.append(kw['bwd_chunk'])
-        return ends
-
     def _sums_early(self, pipe_schedule):
         """Whether each chunk's share of the copies' gradient sum may start once its last backward is done: on the
         mirror placement, where both copies of every stage this rank holds finish its gradients in the same order
@@ -134,14 +120,9 @@ class ChunkedEngine(SplitBackwardEngine):
         if not self._mirror or self.using_bf16_optimizer or pipe_schedule is not getattr(self, '_schedule', None):
             return False
         if self._early_order is None:
-            p = self.num_stages
-
-            def stage_order(stage):
-                schedule = self.schedule_cls(micro_batches=pipe_schedule.micro_batches, stages=p, stage_id=stage)
-                ends = self._gradient_ends(schedule)
-                done = sorted(set(ends), key=lambda c: max(i for i, e in enumerate(ends) if e == c))
-                return [self.placement.stage(stage, c) for c in done]
-            self._early_order = stage_order(self.stage_id) == stage_order(p - 1 - self.stage_id)
+            p, m = self.num_stages, pipe_schedule.micro_batches
+            self._early_order = (gradient_order(self.schedule_cls, self.placement, self.stage_id, p, m)
+                                 == gradient_order(self.schedule_cls, self.placement, p - 1 - self.stage_id, p, m))
         return self._early_order
 
     def _backward_done(self, chunk):
@@ -371,6 +352,27 @@ class ChunkedEngine(SplitBackwardEngine):
 
 
 SMALL_GRADIENT_BYTES = 1 << 20  # below this, gradients are summed together in one flat buffer
+
+
+def gradient_ends(pipe_schedule):
+    """The chunk of each instruction of a step's stream that ends a backward's gradients (a fused backward, alone or
+    paired, or a W), in order."""
+    ends = []
+    for step in pipe_schedule:
+        for cmd in step:
+            kind, kw = type(cmd), cmd.kwargs
+            if kind in (ds.BackwardPass, BackwardWeightPass):
+                ends.append(kw.get('chunk', 0))
+            elif kind is ForwardBackwardPass and kw['fused']:
+                ends.append(kw['bwd_chunk'])
+    return ends
+
+
+def gradient_order(schedule_cls, placement, rank, stages, micro_batches):
+    """The model stages `rank` holds, in the order its step's stream ends their gradients (their last backward)."""
+    ends = gradient_ends(schedule_cls(micro_batches=micro_batches, stages=stages, stage_id=rank))
+    last = {c: i for i, c in enumerate(ends)}
+    return [placement.stage(rank, c) for c in sorted(last, key=last.get)]
 
 
 def _start_sum(grads, group):
