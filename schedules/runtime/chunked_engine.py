@@ -36,7 +36,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self._passes = threading.local()  # the active chunk, per thread: an overlapped pair runs two passes at once
         self._chunk = None  # no chunk active: is_first/last_stage() answer for the rank
         self._overlapping = None
-        self._early_order = None  # whether the copies' gradient sums may start chunk by chunk (_sums_early)
+        self._early_counts = None  # per chunk, the step's instructions ending its gradients; {}: no early sums
         self._sums, self._backwards_left = {}, {}
         self._ready = False  # PipelineEngine.__init__ warms p2p up by rank, as if each held one stage
         super().__init__(*args, **kwargs)
@@ -107,23 +107,25 @@ class ChunkedEngine(SplitBackwardEngine):
         self._batches, self._handover = None, {}
         self._loaded.clear()
         self._sums = {}
-        self._backwards_left = Counter(gradient_ends(pipe_schedule)) if self._sums_early(pipe_schedule) else {}
+        self._backwards_left = Counter(self._early_sums(pipe_schedule))
         super()._exec_schedule(pipe_schedule)
 
     # --- the copies' gradient sum, a chunk's started once its last backward is done ----------
-    def _sums_early(self, pipe_schedule):
-        """Whether each chunk's share of the copies' gradient sum may start once its last backward is done: on the
-        mirror placement, where both copies of every stage this rank holds finish its gradients in the same order
-        (the schedule's streams of this rank and its mirror say so; the sums share one communicator, where
-        collectives match by order), outside the BF16 optimizer (whose fp32 gradients are made at the step's
-        end)."""
+    def _early_sums(self, pipe_schedule):
+        """{chunk: instructions of the step that end its gradients} where each chunk's share of the copies' gradient
+        sum may start once its last backward is done, else {}: on the mirror placement, where both copies of every
+        stage this rank holds finish its gradients in the same order (the schedule's streams of this rank and its
+        mirror say so; the sums share one communicator, where collectives match by order), outside the BF16
+        optimizer (whose fp32 gradients are made at the step's end). Counted once: the training schedule is kept
+        from step to step."""
         if not self._mirror or self.using_bf16_optimizer or pipe_schedule is not getattr(self, '_schedule', None):
-            return False
-        if self._early_order is None:
+            return {}
+        if self._early_counts is None:
             p, m = self.num_stages, pipe_schedule.micro_batches
-            self._early_order = (gradient_order(self.schedule_cls, self.placement, self.stage_id, p, m)
-                                 == gradient_order(self.schedule_cls, self.placement, p - 1 - self.stage_id, p, m))
-        return self._early_order
+            same = (gradient_order(self.schedule_cls, self.placement, self.stage_id, p, m)
+                    == gradient_order(self.schedule_cls, self.placement, p - 1 - self.stage_id, p, m))
+            self._early_counts = Counter(gradient_ends(pipe_schedule)) if same else {}
+        return self._early_counts
 
     def _backward_done(self, chunk):
         """After an instruction that ends a backward of `chunk`: with its last of the step, its gradients' sum
@@ -132,7 +134,7 @@ class ChunkedEngine(SplitBackwardEngine):
             self._backwards_left[chunk] -= 1
             if self._backwards_left[chunk] == 0:
                 _, grads = self._summed_gradients([chunk])
-                if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+                if _summable_in_place(grads):
                     self._sums[chunk] = _start_sum(grads, self._mirror_group)
 
     def _summed_gradients(self, chunks):
@@ -281,7 +283,7 @@ class ChunkedEngine(SplitBackwardEngine):
             rest = [c for c in chunks if c not in self._sums]
             if rest:
                 params, grads = self._summed_gradients(rest)
-                if all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads):
+                if _summable_in_place(grads):
                     _start_sum(grads, self._mirror_group)()
                 else:
                     _sum_flat(params, grads, self._mirror_group)
@@ -373,6 +375,12 @@ def gradient_order(schedule_cls, placement, rank, stages, micro_batches):
     ends = gradient_ends(schedule_cls(micro_batches=micro_batches, stages=stages, stage_id=rank))
     last = {c: i for i, c in enumerate(ends)}
     return [placement.stage(rank, c) for c in sorted(last, key=last.get)]
+
+
+def _summable_in_place(grads):
+    """Whether `_start_sum` can sum these where they lie: every one an fp32 tensor of its own layout (else
+    `_sum_flat`)."""
+    return all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads)
 
 
 def _start_sum(grads, group):

@@ -158,6 +158,15 @@ def _fill_function(costs):
     def mean(value):
         return sum(value) / len(value) if isinstance(value, list) else value
 
+    shares = {}  # rank -> W's share of its split backwards (DualPipe's last ones), from a table
+    if isinstance(costs, dict):
+        split = {}
+        for (rank, _), c in costs.items():
+            if 'B' in c and 'W' in c:
+                b, w = split.get(rank, (0.0, 0.0))
+                split[rank] = (b + mean(c['B']), w + mean(c['W']))
+        shares = {rank: w / (b + w) for rank, (b, w) in split.items() if b + w > 0}
+
     def fill(rank, chunk, kind, size):
         if kind != 'BW':
             return 0.0
@@ -168,12 +177,7 @@ def _fill_function(costs):
         c = costs[(rank, chunk)]
         if 'W' in c:
             return mean(c['W'])
-        if 'BW' not in c:
-            return 0.0
-        # the share of W in a backward of this rank's other chunks where one ran split (DualPipe's last ones)
-        split = [(mean(o['B']), mean(o['W'])) for (r, _), o in costs.items() if r == rank and 'B' in o and 'W' in o]
-        share = sum(w for _, w in split) / sum(b + w for b, w in split) if split else 0.5
-        return mean(c['BW']) * share
+        return mean(c['BW']) * shares.get(rank, 0.5) if 'BW' in c else 0.0
     return fill
 
 
@@ -232,8 +236,8 @@ def simulate(schedule, stages, micro_batches, placement=None, costs=None, latenc
     comm_shape: how each pass's computation and collectives alternate, {(rank, chunk): {kind: (computes,
     collectives)}} in seconds at any scale (trace.communication_shapes) or f(rank, chunk, kind); an overlapped pair
     whose two passes both have one takes what its turns take (simulator/pairs.py) instead of the closed form.
-    fill: with `comm_shape`, a paired fused backward's weight gradients (the costs' W, else half its BW) fill the
-    time both passes wait, as the engines do (overlap.fill_with); False: not (the engines under the BF16 optimizer).
+    fill: with `comm_shape`, a fused backward's weight gradients (_fill_function) fill the time its pair, or it alone,
+    waits for collectives, as the engines do (overlap.fill_with); False: not (the engines under the BF16 optimizer).
     p2p_cpu: (send, receive) seconds that each data send / receive also takes on its own rank
     (posting it, copying the data in), e.g. measured in a traced run (trace.measured_p2p_cpu).
     dispatch: seconds (or {rank: seconds}) of the engine's own work before each pass (running the

@@ -198,8 +198,8 @@ def _replay(segments, cost, fixed, latency, p2p_cpu, dispatch, step_parts, rollb
     experts' all-to-alls), run after its computation, or (`overlap`) beside its pair's other pass (_with_comm);
     `comm_cpu(rank, chunk, kind)`: the part of those that keeps the rank's core busy (None: none);
     `comm_shape(rank, chunk, kind)`: how a pass's computation and collectives alternate (None: unknown);
-    `comm_fill(rank, chunk, kind, size)`: the seconds of a paired backward's computation that are weight gradients it
-    computes while both passes wait (overlap.fill_with; None: none)."""
+    `comm_fill(rank, chunk, kind, size)`: the seconds of a fused backward's computation that are weight gradients it
+    computes while its pair, or it alone, waits for collectives (overlap.fill_with; None: none)."""
     first = segments[0][0]
     p = first.ranks
     out = _Replayed(p)
