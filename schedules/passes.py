@@ -51,3 +51,17 @@ def actions(order):
             yield item.backward
         else:
             yield item
+
+
+def own_weight_next(order):
+    """Indices of the B passes in one rank's order (Actions and Paired units, or (kind, micro_batch, chunk) tuples,
+    anything else standing for a pass that is not one of those) whose next item is their own W, the same micro-batch
+    and chunk. Such a B may compute its weight gradients while it waits for its collectives, the W computing what is
+    left: the same works, added in the same order, nothing computing in between (overlap.run_alone; the simulator
+    prices it so). The engines and the simulator both ask this."""
+    def kind_key(item):
+        return tuple(item) if isinstance(item, tuple) and not isinstance(item, Paired) and len(item) == 3 else None
+    keys = [kind_key(item) for item in order]
+    return {i for i in range(len(keys) - 1)
+            if keys[i] is not None and keys[i][0] == B and keys[i + 1] == (W, *keys[i][1:])}
+

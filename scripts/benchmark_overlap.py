@@ -64,9 +64,11 @@ def parse_args(argv=None):
 def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=None):
     """train.py (DualPipe, 2 ranks) across the nodes, traced: (median step s, {rank: (exposed, in flight) s}, and
     with `predict` the simulator's steps from this run's trace (predicted; `comm_cpu` as there, None: this run's
-    own where unthrottled) and its ratio of all-to-all to computation (communication_ratio), else None and None;
-    and, unthrottled with `predict`, this run's all-to-alls per pass (the core's part at every speed), else None).
+    own where unthrottled) and its ratios of all-to-all to computation (communication_ratio: as run, and its bytes
+    alone over the link), else None and None; and, unthrottled with `predict`, this run's all-to-alls per pass (the
+    core's part at every speed), else None; and where each rank's step went (step_parts)).
     The trace is kept as OUT/traces/NAME.json (chrome://tracing, Perfetto)."""
+    from schedules.observe.step_parts import step_parts
     from schedules.observe.trace import communication_costs, exposed_communication
     spec = MODELS[model]
     os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
@@ -85,19 +87,26 @@ def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=No
         if predict:  # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s)
             if not nodes.rate:  # an unthrottled run's all-to-alls are the core's own work
                 own_cpu = communication_costs(trace)[1]
-            forecast = predicted(trace, model, nodes.rate or nodes.measure(), statistics.median(times),
+            rate = nodes.rate or nodes.measure()
+            forecast = predicted(trace, model, rate, statistics.median(times),
                                  own_cpu if comm_cpu is None else comm_cpu)
-            ratio = communication_ratio(trace, comm)
-    return statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio, own_cpu
+            ratio = communication_ratio(trace, comm, rate)
+        parts = {str(r): p for r, p in step_parts(trace).items()}
+    return (statistics.median(times), {str(r): comm.get(r, (0.0, 0.0)) for r in range(2)}, forecast, ratio, own_cpu,
+            parts)
 
 
-def communication_ratio(trace, comm):
+def communication_ratio(trace, comm, rate):
     """A traced step's all-to-all time over its computation, from a run of the pairs one pass after the other
-    (every all-to-all waited for): the exposed time over the rest of the passes' span, the larger rank's."""
-    from schedules.observe.trace import load_chrome_trace
+    (every all-to-all waited for), the larger rank's: (as run: the exposed time over the rest of the passes' span;
+    on the wire: the bytes each rank sent in them over the link's `rate`, bits per second, over the same). The first
+    also counts each rank waiting for the other to reach the all-to-all."""
+    from schedules.observe.trace import communication_bytes, load_chrome_trace
     timeline, _ = load_chrome_trace(trace)
     span = statistics.median(t1 - t0 for t0, t1 in (timeline.span(i) for i in timeline.iterations()))
-    return max(exposed / (span - exposed) for exposed, _ in comm.values())
+    sent = communication_bytes(trace)
+    return (max(exposed / (span - exposed) for exposed, _ in comm.values()),
+            max(sent.get(r, 0) * 8 / rate / (span - exposed) for r, (exposed, _) in comm.items()))
 
 
 def auto_predicted(nodes, args, model):
@@ -180,15 +189,37 @@ def table(record):
                                 for key in ("predicted", "auto"))
                 return f"{cell['step_s'] * 1e3:.0f}{guess}"
             ratio = f"{statistics.median(c['ratio']):.2f}" if c.get("ratio") else "-"
+            if c.get("wire_ratio"):
+                ratio += f" (wire {statistics.median(c['wire_ratio']):.2f})"
             lines.append(f"| {rate} | {ratio} | {step(on)} | {step(off)} | "
                          f"{off['step_s'] / on['step_s']:.2f}x | {comm(on)} | {comm(off)} | "
                          + (f"{step(dup)} |" if dup else "|"))
+        lines += parts_table(per_rate, record["rates"])
         sizes = record["parameter_bytes"].get(model)
         if sizes:
             lines += ["", f"Parameter bytes per rank: experts shared by the copies {sizes['shard'] / 2**20:.1f} MiB, "
                           f"duplicated {sizes['duplicate'] / 2**20:.1f} MiB (dense {sizes['dense'] / 2**20:.1f}, "
                           f"experts {sizes['experts'] / 2**20:.1f})."]
     return lines
+
+
+def parts_table(per_rate, rates):
+    """Where the overlapped step went at each speed (step_parts, both ranks' mean, the median run's)."""
+    from schedules.observe.step_parts import PARTS
+    rows = []
+    for rate in rates:
+        runs = [r for r in per_rate.get(rate, {}).get("overlapped", {}).get("runs", []) if r.get("parts")]
+        if not runs:
+            continue
+        run = sorted(runs, key=lambda r: r["step_s"])[len(runs) // 2]
+        mean = {k: statistics.mean(p[k] for p in run["parts"].values()) for k in (*PARTS, "step")}
+        rows.append(f"| {rate} | {mean['step'] * 1e3:.0f} | " + " | ".join(f"{mean[k] * 1e3:.0f}" for k in PARTS)
+                    + " |")
+    if not rows:
+        return []
+    return ["", "Where the overlapped step goes (schedules/observe/step_parts.py; ms a step, the ranks' mean, the "
+                "median run):", "", "| link | step | " + " | ".join(PARTS) + " |",
+            "|---" * (len(PARTS) + 2) + "|", *rows]
 
 
 def main(argv=None):
@@ -214,14 +245,15 @@ def main(argv=None):
                             record["results"][model].setdefault(rate, {}).setdefault(other, {"runs": []}).setdefault(
                                 "auto", []).append(figure)
                     name = f"{model}-{rate}-{label}-{rnd}"
-                    step, comm, forecast, ratio, own_cpu = run_across(nodes, args, model, CONFIGS[label],
-                                                                      label == "sequential", name, cpu.get(model))
+                    step, comm, forecast, ratio, own_cpu, parts = run_across(
+                        nodes, args, model, CONFIGS[label], label == "sequential", name, cpu.get(model))
                     if own_cpu is not None:  # the all-to-alls' own work, unthrottled: priced at every speed
                         cpu[model] = own_cpu
                     cell = record["results"][model].setdefault(rate, {}).setdefault(label, {"runs": []})
-                    cell["runs"].append({"step_s": step, "comm": comm})
+                    cell["runs"].append({"step_s": step, "comm": comm, "parts": parts})
                     if forecast:  # the simulator's figures from the sequential run's trace, beside each
-                        record["results"][model][rate].setdefault("ratio", []).append(ratio)
+                        record["results"][model][rate].setdefault("ratio", []).append(ratio[0])
+                        record["results"][model][rate].setdefault("wire_ratio", []).append(ratio[1])
                         for other, figure in forecast.items():
                             record["results"][model][rate].setdefault(other, {"runs": []}).setdefault(
                                 "predicted", []).append(figure)

@@ -16,12 +16,18 @@ def test_the_table_shows_overlapped_beside_sequential_and_the_exposed_communicat
     record = {"machine": "2-core test machine", "rates": ["1gbit"], "measured_rate": {"1gbit": "990 Mbit/s"},
               "results": {"deep": {"1gbit": {"overlapped": cell(0.9, 0.2, 0.95, 0.85),
                                              "sequential": cell(1.2, 0.7, 1.1, 1.3),
-                                             "duplicate": cell(0.4, 0.0), "ratio": [1.04]}}},
+                                             "duplicate": cell(0.4, 0.0), "ratio": [1.04],
+                                             "wire_ratio": [0.55]}}},
               "parameter_bytes": {"deep": {"shard": 3 << 20, "duplicate": 5 << 20, "dense": 1 << 20,
                                            "experts": 4 << 20}}}
+    parts = {"pairs": 0.5, "passes alone": 0.2, "receives": 0.1, "sends": 0.0, "gradient sum": 0.05, "optimizer": 0.05,
+             "rest": 0.0, "step": 0.9}
+    record["results"]["deep"]["1gbit"]["overlapped"]["runs"] = [
+        {"step_s": 0.9, "parts": {"0": parts, "1": {**parts, "receives": 0.3, "step": 1.1}}}]
     text = "\n".join(bo.table(record))
-    assert "| 1gbit | 1.04 | 900 / 950 / 850 | 1200 / 1100 / 1300 | 1.33x | 200 / 500, 200 / 600 | " \
+    assert "| 1gbit | 1.04 (wire 0.55) | 900 / 950 / 850 | 1200 / 1100 / 1300 | 1.33x | 200 / 500, 200 / 600 | " \
         "700 / 500, 700 / 600 | 400 / - / - |" in text
+    assert "| 1gbit | 1000 | 500 | 200 | 200 | 0 | 50 | 50 | 0 |" in text
     assert "experts shared by the copies 3.0 MiB, duplicated 5.0 MiB" in text
 
 
@@ -45,7 +51,7 @@ def traced_run(path, compute, comm, m=4):
     run = simulate("dualpipe", 2, m, costs=costs, comm={k: dict(comm) for k in costs}, overlap=False, iterations=1)
     tracers = []
     for rank, row in enumerate(run.timeline.ranks):
-        waits = [("all_to_all", p.end - c, p.end - c, p.end, 0) for p in row  # a BW waits for its B's
+        waits = [("all_to_all", p.end - c, p.end - c, p.end, 0, 0) for p in row  # a BW waits for its B's
                  for c in [comm.get(p.kind, comm.get("B", 0.0) if p.kind == "BW" else 0.0)] if c]
         tracers.append(SimpleNamespace(rank=rank, passes=row, placement=MirrorPlacement(2), memory_samples=[],
                                        peak_bytes={}, p2p=[], other=[], comm=waits))
@@ -83,9 +89,10 @@ def test_a_traced_sequential_run_predicts_itself_and_its_overlap(tmp_path, monke
     # pass computes after it: the turns hide less than the closed form of the totals says, unless the backward's
     # weight gradients fill the time both wait: each rank's three fused backwards (two alone, waiting for their own
     # 8 ms collective at their end, and one paired, whose forward's collective, issued once the backward has ended,
-    # holds the pair) each compute their W (5 ms) under a collective instead of before it
+    # holds the pair) and its last B, whose own W comes next (passes.own_weight_next), each compute their W (5 ms)
+    # under a collective instead of before or after it
     assert overlapped(shapes, fill=False) > overlapped(None) + 0.005
-    assert turns == pytest.approx(overlapped(shapes, fill=False) - 3 * 0.005, abs=5e-4)
+    assert turns == pytest.approx(overlapped(shapes, fill=False) - 4 * 0.005, abs=5e-4)
     # the all-to-alls all the core's own work (as over an unthrottled link): no turn hides them
     busy = bo.predicted(str(tmp_path / "trace.json"), "deep", 1e15, step, comms)
     assert busy["overlapped"] == pytest.approx(busy["sequential"], rel=1e-3)

@@ -517,3 +517,16 @@ def test_dualpipev_equals_pytorch(p):
         torch_orders = _torch_orders("ScheduleDualPipeV", p, m, lambda r: [r, 2 * p - 1 - r], 2 * p)
         for r in range(p):
             assert _to_tuples(torch_orders[r], _v_chunk(p)) == dualpipev_order(p, m, r), (m, r)
+
+
+def test_own_weight_next_finds_a_b_whose_w_follows_it():
+    """passes.own_weight_next: a B whose next item is its own W (same micro-batch and chunk), and no other: DualPipe's
+    last B on each rank's first stage at p = 2 (its last Ws follow their Bs there), mirrored on the other rank."""
+    from schedules.passes import own_weight_next
+    order = [Action('B', 3), Action('W', 3), Action('B', 4, 1), paired((1, 0), (2, 1)), Action('B', 5), Action('W', 6),
+             ('B', 7, 0), ('W', 7, 0), Action('B', 8), Action('F', 8), Action('W', 8)]
+    assert own_weight_next(order) == {0, 6}
+    for rank, chunk in ((0, 0), (1, 1)):
+        o = dualpipe_order(2, 8, rank)
+        assert [o[i] for i in sorted(own_weight_next(o))] == [Action('B', 3, chunk)]
+        assert o[-2:] == [Action('B', 3, chunk), Action('W', 3, chunk)]

@@ -125,13 +125,13 @@ def test_resume_gives_the_same_next_losses(schedule, interlock, zero0_config, tm
 
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_dualpipe_copies_end_their_stages_gradients_in_one_order(p):
-    """What lets the copies' gradient sum start chunk by chunk (ChunkedEngine._backward_done): in DualPipe's streams
+    """What lets the copies' gradient sum start chunk by chunk (copies_sum.CopiesSum): in DualPipe's streams
     every rank and its mirror end the gradients of the two stages they share in the same order, and each chunk's
     gradient-ending instructions (fused backwards, alone or paired, and Ws) number its micro-batches, so the count
     reaches zero at its last."""
     from schedules.placement import MirrorPlacement
     from schedules.registry import schedule_spec
-    from schedules.runtime.chunked_engine import gradient_ends, gradient_order
+    from schedules.runtime.copies_sum import gradient_ends, gradient_order
     cls, placement, m = schedule_spec("dualpipe").factory, MirrorPlacement(p), 2 * p
     for r in range(p):
         assert gradient_order(cls, placement, r, p, m) == gradient_order(cls, placement, p - 1 - r, p, m)

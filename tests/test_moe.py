@@ -210,10 +210,14 @@ DEEP_MOE = ("--model", "deep", "--deep-width", "16", "--deep-depth", "4", "--mic
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["zb-h1", "dualpipe --dualpipe-experts shard"])
 def test_the_moe_deep_model_trains_as_one_process(schedule, tmp_path, config):
-    """The deep model's blocks with experts (--model deep --moe-experts): ZB-H1; DualPipe's copies sharing them."""
-    reference = train(tmp_path / "ref", 1, ["--pipeline-parallel-size", "0"], config, 4, model=DEEP_MOE)
+    """The deep model's blocks with experts (--model deep --moe-experts): ZB-H1; DualPipe's copies sharing them, at
+    width 512, where each dense layer's weight gradient (1 MiB) is summed between the copies as soon as the stage's
+    last backward (the last B filling its waits with its own W's works, or a lone fused backward) has added it
+    (copies_sum.py): summed out of order, two ranks' sums would pair different layers."""
+    model = (*DEEP_MOE, "--deep-width", "512") if schedule.startswith("dualpipe") else DEEP_MOE
+    reference = train(tmp_path / "ref", 1, ["--pipeline-parallel-size", "0"], config, 4, model=model)
     result = train(tmp_path / "p2", 2, ["--pipeline-parallel-size", "2", "--pipeline-schedule", *schedule.split()],
-                   config, 4, model=DEEP_MOE)
+                   config, 4, model=model)
     assert_same_training(result, reference)
 
 

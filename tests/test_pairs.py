@@ -66,3 +66,12 @@ def test_a_fused_backward_alone_fills_its_own_wait():
     alone = ([0.0], [], [])
     assert pair_ends(([1.0, 1.0], [2.0]), alone)[0] == pytest.approx(4.0)
     assert pair_ends(([1.0, 1.0], [2.0]), alone, fill=1.0)[0] == pytest.approx(3.5)
+
+
+def test_a_b_whose_own_w_comes_next_fills_its_wait_and_leaves_the_rest_to_the_w():
+    """A B of 1 + 1 s around a 3 s collective, its W 2 s (so 4 s of computation, half of it weight gradients): the
+    first second of B leaves 1 s of works, which run under the collective; the second leaves 1 s for the W. B ends
+    at 5 s and its W takes 1 s, where one after the other took 5 + 2 (timing._own_weights)."""
+    from schedules.simulator.pairs import alone_ends
+    assert alone_ends(([2.0, 2.0], [3.0]), fill=2.0) == pytest.approx((5.0, 1.0))
+    assert alone_ends(([2.0, 2.0], [3.0])) == pytest.approx((7.0, 0.0))

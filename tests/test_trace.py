@@ -190,3 +190,28 @@ def test_traced_steps_train_as_untraced_ones(tmp_path):
         losses[name] = [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
     assert len(losses["plain"]) == 3 and losses["plain"][2] < losses["plain"][0]
     assert losses["traced"] == pytest.approx(losses["plain"], abs=1e-6)
+
+
+def test_step_parts_split_a_traced_step_and_the_bytes_its_collectives_sent(tmp_path):
+    """observe/step_parts.py: a lone forward, a receive, an overlapped pair and the weight gradients it left, the
+    gradient sum and the optimizer step, and what none of them covers; trace.communication_bytes: the bytes the
+    pair's all-to-all sent, per step."""
+    from types import SimpleNamespace
+
+    from schedules.observe.step_parts import step_parts
+    from schedules.observe.trace import communication_bytes, write_chrome_trace
+    from schedules.placement import MirrorPlacement
+    passes = [Pass('F', 0, 0, 0, 0.0, 0.9), Pass('BW', 0, 0, 0, 1.5, 3.0, pair=1),
+              Pass('F', 0, 0, 1, 1.6, 3.2, pair=1)]
+    tracer = SimpleNamespace(rank=0, passes=passes, placement=MirrorPlacement(2), memory_samples=[], peak_bytes={},
+                             p2p=[("RecvGrad", 1.0, 1.5, 0)],
+                             other=[("PairWeightGrads", 3.2, 3.5, 0), ("ReduceGrads", 3.5, 4.0, 0),
+                                    ("OptimizerStep", 4.0, 4.2, 0)],
+                             comm=[("all-to-all", 2.0, 2.5, 2.6, 0, 1000)])
+    path = tmp_path / "trace.json"
+    write_chrome_trace([tracer], str(path), {"schedule": "dualpipe", "stages": 2, "micro_batches": 2})
+    parts = step_parts(str(path))[0]
+    expected = {"pairs": 2.0, "passes alone": 0.9, "receives": 0.5, "sends": 0.0, "gradient sum": 0.5,
+                "optimizer": 0.2, "rest": 0.1, "step": 4.2}
+    assert parts == pytest.approx(expected)
+    assert communication_bytes(str(path)) == {0: 1000}

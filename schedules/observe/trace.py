@@ -37,13 +37,13 @@ class Tracer:
         self.sync = sync  # e.g. torch.cuda.synchronize: on a GPU a pass ends when its kernels do
         self.origin = None  # clock reading of step 0 of the trace, taken right after a barrier
         self.passes, self.p2p = [], []  # Pass records; (name, start, end, iteration) of p2p
-        self.other = []  # (name, start, end, iteration) of the other instructions (loads, ReduceGrads, OptimizerStep)
+        self.other = []  # (name, start, end, iteration) of the rest: loads, ReduceGrads, OptimizerStep, ...
         self.memory = None  # optional: a SavedTensorTracker whose live bytes each pass changes
         self.memory_deltas = []  # (chunk, kind, bytes) per pass, when `memory` is set
         self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
         self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
         self.param_bytes = None  # bytes of the parameters this rank holds (RunTrace sets it)
-        self.comm = []  # (name, issued, resumed, done, iteration) of collectives inside passes (all-to-alls)
+        self.comm = []  # (name, issued, resumed, done, iteration, bytes sent) of collectives inside passes
         self.iteration = 0
         self.active = False
         self._pair = 0
@@ -89,11 +89,12 @@ class Tracer:
     def record_p2p(self, name, start, end):
         self.p2p.append((name, start - self.origin, end - self.origin, self.iteration))
 
-    def record_comm(self, name, issued, resumed, done):
+    def record_comm(self, name, issued, resumed, done, sent=0):
         """A collective inside a pass: in flight from `issued` to `done`, the rank waiting for it (exposed) from
-        `resumed` (overlap.observe)."""
+        `resumed`, `sent` bytes to other ranks (overlap.observe)."""
         if self.active:
-            self.comm.append((name, issued - self.origin, resumed - self.origin, done - self.origin, self.iteration))
+            self.comm.append((name, issued - self.origin, resumed - self.origin, done - self.origin, self.iteration,
+                              sent))
 
     def record_other(self, name, start, end):
         self.other.append((name, start - self.origin, end - self.origin, self.iteration))
@@ -145,6 +146,8 @@ def _wrap(instr_type, handler):
 
         forward, backward = self._pair_parts(fwd_buffer, fwd_chunk, bwd_buffer, bwd_chunk, fused)
         self._run_pair(timed('F', forward), timed('B', backward))
+        if fused and self.fills_pairs():  # the weight gradients no wait took, computed as the pair ends
+            tracer.record_other('PairWeightGrads', max(spans['F'][1], spans['B'][1]), tracer.now())
         self._pair_done(bwd_chunk, fused)
         fwd_kind, bwd_kind = paired_kinds(fused)
         for (kind, chunk, buffer_id), (start, end, m0, m1) in sorted(
@@ -196,11 +199,11 @@ def write_chrome_trace(tracers, path, meta):
             for name, start, end, iteration in records:
                 events.append({"name": name, "cat": cat, "ph": "X", "pid": t.rank, "tid": tid, "ts": start * 1e6,
                                "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
-        for name, issued, resumed, done, iteration in t.comm:  # a pass's collectives: in flight, and waited for
+        for name, issued, resumed, done, iteration, sent in t.comm:  # a pass's collectives: in flight, waited for
             for tid, start in ((3, issued), (4, resumed)):
                 events.append({"name": name, "cat": "comm" if tid == 3 else "exposed", "ph": "X", "pid": t.rank,
                                "tid": tid, "ts": start * 1e6, "dur": (done - start) * 1e6,
-                               "args": {"iteration": iteration}})
+                               "args": {"iteration": iteration, **({"bytes": sent} if tid == 3 else {})}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
 
@@ -300,6 +303,20 @@ def exposed_communication(path):
             steps.setdefault(e["pid"], set()).add(e["args"]["iteration"])
     return {rank: (exposed / len(steps[rank]), flight / len(steps[rank]))
             for rank, (exposed, flight) in totals.items()}
+
+
+def communication_bytes(path):
+    """{rank: bytes per traced step that it sent to other ranks in the collectives inside its passes} of a trace file
+    (the all-to-alls' payload less each rank's own share): over a link's rate, their time on the wire alone, where
+    exposed_communication's in-flight time also counts waiting for the other ranks to reach them."""
+    with open(path) as f:
+        data = json.load(f)
+    totals, steps = {}, {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "comm":
+            totals[e["pid"]] = totals.get(e["pid"], 0) + e["args"].get("bytes", 0)
+            steps.setdefault(e["pid"], set()).add(e["args"]["iteration"])
+    return {rank: total / len(steps[rank]) for rank, total in totals.items()}
 
 
 def peak_saved_bytes(path):

@@ -14,7 +14,7 @@ instruction here also names its `chunk`, and the engine:
 - gives each direction of the mirror placement its own half of the step's micro-batches.
 """
 import threading
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from functools import partial
 
@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds
 
-from schedules.instructions import BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+from schedules.instructions import PASS_KIND, BackwardInputPass, BackwardWeightPass, ForwardBackwardPass
+from schedules.passes import own_weight_next
 from schedules.runtime import messages, overlap
+from schedules.runtime.copies_sum import CopiesSum, gradient_ends, gradient_order
 from schedules.runtime.moe import expert_layers
 from schedules.runtime.split_engine import SplitBackwardEngine
 from schedules.runtime.weight_grad import apply_weight_grads, defer_weight_grads
@@ -37,7 +39,9 @@ class ChunkedEngine(SplitBackwardEngine):
         self._chunk = None  # no chunk active: is_first/last_stage() answer for the rank
         self._overlapping = None
         self._early_counts = None  # per chunk, the step's instructions ending its gradients; {}: no early sums
-        self._sums, self._backwards_left = {}, {}
+        self._copies = None  # the mirror placement's gradient sum between the copies (copies_sum.py)
+        self._fills_own = (None, [])  # (schedule, whether each of its B instructions fills with its own W's works)
+        self._filling_b = deque()  # this step's, still to run
         self._ready = False  # PipelineEngine.__init__ warms p2p up by rank, as if each held one stage
         super().__init__(*args, **kwargs)
         self._ready = True
@@ -51,6 +55,7 @@ class ChunkedEngine(SplitBackwardEngine):
         self._mirror = any(self.placement.direction(c) == 1 for c in range(self.placement.chunks))
         if self._mirror:
             self._mirror_group, self._loss_group = self._mirror_groups()
+            self._copies = CopiesSum(self._mirror_group, self._summed_gradients)
 
     # --- which stage is active ------------------------------------------------------------
     @property
@@ -106,11 +111,25 @@ class ChunkedEngine(SplitBackwardEngine):
         self._steps_micro_batches = pipe_schedule.micro_batches
         self._batches, self._handover = None, {}
         self._loaded.clear()
-        self._sums = {}
-        self._backwards_left = Counter(self._early_sums(pipe_schedule))
+        if self._copies is not None:
+            self._copies.new_step(self._early_sums(pipe_schedule))
+        self._filling_b = deque(self._b_fills(pipe_schedule) if self.fills_pairs() else ())
         super()._exec_schedule(pipe_schedule)
 
-    # --- the copies' gradient sum, a chunk's started once its last backward is done ----------
+    def _b_fills(self, pipe_schedule):
+        """Whether each B instruction of the step fills its waits with its own W's works: where that W is the
+        rank's next pass (passes.own_weight_next, read from the stream). Listed once per schedule object."""
+        if self._fills_own[0] is not pipe_schedule:
+            order = [(PASS_KIND[type(cmd)], cmd.kwargs['buffer_id'], cmd.kwargs.get('chunk', 0))
+                     if type(cmd) in PASS_KIND else None
+                     for step in pipe_schedule for cmd in step if type(cmd) in PASS_KIND or
+                     type(cmd) is ForwardBackwardPass]
+            fills = own_weight_next(order)
+            self._fills_own = (pipe_schedule, [i in fills for i, item in enumerate(order)
+                                               if item is not None and item[0] == 'B'])
+        return self._fills_own[1]
+
+    # --- the copies' gradient sum, started as early as the step allows (copies_sum.py) -------
     def _early_sums(self, pipe_schedule):
         """{chunk: instructions of the step that end its gradients} where each chunk's share of the copies' gradient
         sum may start once its last backward is done, else {}: on the mirror placement, where both copies of every
@@ -127,15 +146,16 @@ class ChunkedEngine(SplitBackwardEngine):
             self._early_counts = Counter(gradient_ends(pipe_schedule)) if same else {}
         return self._early_counts
 
+    def _backward_ending(self, chunk):
+        """Before an instruction that ends a backward of `chunk` (or a B whose own W comes next)."""
+        if self._copies is not None:
+            self._copies.ending(chunk)
+
     def _backward_done(self, chunk):
-        """After an instruction that ends a backward of `chunk`: with its last of the step, its gradients' sum
-        starts (where they are all fp32 tensors of their own; else it waits for ReduceGrads)."""
-        if chunk in self._backwards_left:
-            self._backwards_left[chunk] -= 1
-            if self._backwards_left[chunk] == 0:
-                _, grads = self._summed_gradients([chunk])
-                if _summable_in_place(grads):
-                    self._sums[chunk] = _start_sum(grads, self._mirror_group)
+        """After an instruction that ends a backward of `chunk`: with its last of the step, the rest of its
+        gradients' sum starts."""
+        if self._copies is not None:
+            self._copies.ended(chunk)
 
     def _summed_gradients(self, chunks):
         """(parameters, gradients) of `chunks` that the copies sum: not the tied ones (DeepSpeed's ReduceTiedGrads
@@ -175,7 +195,17 @@ class ChunkedEngine(SplitBackwardEngine):
             out = self.pipe_buffers['outputs'][slot]
             self._handover[self._slot(buffer_id, down[1])] = messages.as_input(out, torch.is_grad_enabled())
 
-    def _run_backward_input(self, buffer_id, chunk, fused=False):
+    def _run_backward_input_pass(self, buffer_id, chunk):
+        """A B. Where its own W is the rank's next pass (`_b_fills`), it computes its weight gradients while it waits
+        for its collectives, as a fused backward alone does, and the W computes what is left (DualPipe's last B and
+        W on the first stage): the same works, added in the same order."""
+        if self._filling_b and self._filling_b.popleft():
+            self._backward_ending(chunk)  # its works are the chunk's last where its W is
+            overlap.run_alone(partial(self._run_backward_input, buffer_id, chunk, fill=True), rest=False)
+        else:
+            self._run_backward_input(buffer_id, chunk)
+
+    def _run_backward_input(self, buffer_id, chunk, fused=False, fill=False):
         slot = self._slot(buffer_id, chunk)
         down = self._peer(chunk, +1)
         if down is not None and down[0] == self.stage_id:  # the gradient comes from the chunk after, here
@@ -185,18 +215,29 @@ class ChunkedEngine(SplitBackwardEngine):
         with self._in_chunk(chunk):
             if fused:
                 SplitBackwardEngine._exec_backward_pass(self, slot)
+            elif fill:  # its works fill its waits (overlap.fill_with); its W computes the rest
+                with defer_weight_grads() as queue:
+                    overlap.fill_with(queue, partial(self._weight_grads_now, chunk))
+                    SplitBackwardEngine._exec_stock_backward(self, slot)
+                self._deferred[slot].append(queue)
             else:
                 SplitBackwardEngine._exec_backward_input_pass(self, slot)
 
     def _run_backward_weight(self, buffer_id, chunk):
+        slot = self._slot(buffer_id, chunk)
+        self._backward_ending(chunk)
+        works = list(self._deferred[slot][0]) if self._copies is not None and self._deferred[slot] else ()
         with self._in_chunk(chunk):
-            SplitBackwardEngine._exec_backward_weight_pass(self, self._slot(buffer_id, chunk))
+            SplitBackwardEngine._exec_backward_weight_pass(self, slot)
+        for work in works:  # in the chunk's last backward, their sums start in the works' order
+            self._copies.work_added(chunk, work)
         self._backward_done(chunk)
 
     def _run_backward(self, buffer_id, chunk):
         if self.fills_pairs():  # alone, its weight gradients fill its own waits for its collectives
             overlap.run_alone(partial(self._run_backward_filling, buffer_id, chunk))
         else:
+            self._backward_ending(chunk)
             self._run_backward_input(buffer_id, chunk, fused=True)
         self._backward_done(chunk)
 
@@ -223,18 +264,22 @@ class ChunkedEngine(SplitBackwardEngine):
         return self.overlaps_pairs() and not self.using_bf16_optimizer
 
     def _run_backward_filling(self, buffer_id, chunk):
+        self._backward_ending(chunk)
         with defer_weight_grads() as queue:
-            overlap.fill_with(queue, self._weight_grads_now)
+            overlap.fill_with(queue, partial(self._weight_grads_now, chunk))
             self._run_backward_input(buffer_id, chunk, fused=True)
 
-    def _weight_grads_now(self, work):
-        """One deferred work's weight gradients, added into `.grad` as a W pass adds them (its hooks see them)."""
+    def _weight_grads_now(self, chunk, work):
+        """One deferred work's weight gradients, added into `.grad` as a W pass adds them (its hooks see them); in
+        the chunk's last backward, their sum between the copies starts."""
         running, self._running_engine_backward = self._running_engine_backward, True
         try:
             with torch.enable_grad():  # inside a backward grad mode is off, and W's roots must record
                 apply_weight_grads([work], in_place=self._in_place)
         finally:
             self._running_engine_backward = running
+        if self._copies is not None:
+            self._copies.work_added(chunk, work)
 
     def _run_pair(self, forward, backward):
         if self.overlaps_pairs():  # the backward starts; each computes while the other's all-to-all is in flight
@@ -279,17 +324,8 @@ class ChunkedEngine(SplitBackwardEngine):
 
     def _exec_reduce_grads(self):
         if self._mirror:  # each copy of a stage gets the sum of both copies' gradients, so they stay equal
-            chunks = sorted(range(self.placement.chunks), key=lambda c: self.placement.stage(self.stage_id, c))
-            rest = [c for c in chunks if c not in self._sums]
-            if rest:
-                params, grads = self._summed_gradients(rest)
-                if _summable_in_place(grads):
-                    _start_sum(grads, self._mirror_group)()
-                else:
-                    _sum_flat(params, grads, self._mirror_group)
-            for finish in self._sums.values():  # those started as their chunk's last backward ended
-                finish()
-            self._sums = {}
+            self._copies.finish(sorted(range(self.placement.chunks),
+                                       key=lambda c: self.placement.stage(self.stage_id, c)))
         super()._exec_reduce_grads()
 
     def _loss_shared_early(self):
@@ -343,7 +379,7 @@ class ChunkedEngine(SplitBackwardEngine):
         ds.LoadMicroBatch: _run_load,
         ds.ForwardPass: _run_forward,
         ds.BackwardPass: _run_backward,
-        BackwardInputPass: _run_backward_input,
+        BackwardInputPass: _run_backward_input_pass,
         BackwardWeightPass: _run_backward_weight,
         ForwardBackwardPass: _run_forward_backward,
         ds.SendActivation: _run_send_activations,
@@ -351,73 +387,3 @@ class ChunkedEngine(SplitBackwardEngine):
         ds.SendGrad: _run_send_grads,
         ds.RecvGrad: _run_recv_grads,
     }
-
-
-SMALL_GRADIENT_BYTES = 1 << 20  # below this, gradients are summed together in one flat buffer
-
-
-def gradient_ends(pipe_schedule):
-    """The chunk of each instruction of a step's stream that ends a backward's gradients (a fused backward, alone or
-    paired, or a W), in order."""
-    ends = []
-    for step in pipe_schedule:
-        for cmd in step:
-            kind, kw = type(cmd), cmd.kwargs
-            if kind in (ds.BackwardPass, BackwardWeightPass):
-                ends.append(kw.get('chunk', 0))
-            elif kind is ForwardBackwardPass and kw['fused']:
-                ends.append(kw['bwd_chunk'])
-    return ends
-
-
-def gradient_order(schedule_cls, placement, rank, stages, micro_batches):
-    """The model stages `rank` holds, in the order its step's stream ends their gradients (their last backward)."""
-    ends = gradient_ends(schedule_cls(micro_batches=micro_batches, stages=stages, stage_id=rank))
-    last = {c: i for i, c in enumerate(ends)}
-    return [placement.stage(rank, c) for c in sorted(last, key=last.get)]
-
-
-def _summable_in_place(grads):
-    """Whether `_start_sum` can sum these where they lie: every one an fp32 tensor of its own layout (else
-    `_sum_flat`)."""
-    return all(g is not None and g.dtype == torch.float32 and g.is_contiguous() for g in grads)
-
-
-def _start_sum(grads, group):
-    """Every fp32 gradient summed over `group`, all in flight at once; returns what waits for them. Those of 1 MiB
-    or more where they lie, one all-reduce each (no flat copy made and copied back: 64 MiB of DualPipe's deep-model
-    gradients took 110 ms that way against 56 for the all-reduce alone), the smaller ones through one flat copy,
-    since gloo's cost per all-reduce outweighs their copy (GPTlite small's 146 gradients, 59 MB: 60-121 ms one each,
-    35-45 ms so; loopback, AMD EPYC). Summing two ranks' values is the same in any grouping, bit for bit."""
-    small, large = [], []
-    for g in grads:
-        (small if g.numel() * g.element_size() < SMALL_GRADIENT_BYTES else large).append(g)
-    works = [dist.all_reduce(g, group=group, async_op=True) for g in large]
-    flat = None
-    if small:
-        flat = torch.cat([g.reshape(-1) for g in small])
-        works.append(dist.all_reduce(flat, group=group, async_op=True))
-
-    def finish():
-        for work in works:
-            work.wait()
-        offset = 0
-        for g in small:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    return finish
-
-
-def _sum_flat(params, grads, group):
-    """The gradients summed over `group` through one flat fp32 copy: for bf16 gradients and those not yet made."""
-    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p, g in zip(params, grads)])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p, g in zip(params, grads):  # the BF16 optimizer's fp32 gradients may be flat views
-        summed = flat[offset:offset + p.numel()]
-        offset += p.numel()
-        if g is None:
-            p.grad = summed.view_as(p).to(p.dtype)
-        else:
-            g.copy_(summed.view(g.shape))

@@ -89,9 +89,9 @@ def run_pair(first, second):
     _fill(turns, None)  # what no wait took: computed now, before anything reads the gradients
 
 
-def run_alone(fn):
+def run_alone(fn, rest=True):
     """`fn()`, a pass with no other to pair with, as a pair of one: its waits for its collectives are filled as a
-    pair's are (`fill_with`), the rest computed when it ends."""
+    pair's are (`fill_with`), the rest computed when it ends (`rest`; else left in the queue, for a W to compute)."""
     turns = _Turns()
     turns._ended[1] = True  # no other party: the turn never leaves
     _local.turns, _local.me = turns, 0
@@ -99,7 +99,8 @@ def run_alone(fn):
         fn()
     finally:
         _local.turns = None
-    _fill(turns, None)
+    if rest:
+        _fill(turns, None)
 
 
 class _Worker:
@@ -161,12 +162,13 @@ def in_pair():
     return getattr(_local, 'turns', None) is not None
 
 
-_observers = []  # called with (name, issued, resumed, done) clock readings of each exchange (the tracer)
+_observers = []  # called with (name, issued, resumed, done, sent) of each exchange (the tracer)
 
 
 def observe(observer):
-    """`observer(name, issued, resumed, done)` after every collective waited for here: when it was issued, when this
-    pass had the turn again (from then on the rank waited for it: exposed), and when it was done."""
+    """`observer(name, issued, resumed, done, sent)` after every collective waited for here: when it was issued, when
+    this pass had the turn again (from then on the rank waited for it: exposed), when it was done, and the bytes this
+    rank sent to others in it."""
     _observers.append(observer)
 
 
@@ -174,8 +176,9 @@ def unobserve(observer):
     _observers.remove(observer)
 
 
-def wait_for(work, name="all-to-all", issued=None):
-    """Wait for `work` (an asynchronous collective); inside a pair, the other pass computes meanwhile."""
+def wait_for(work, name="all-to-all", issued=None, sent=0):
+    """Wait for `work` (an asynchronous collective that sent `sent` bytes to other ranks); inside a pair, the other
+    pass computes meanwhile."""
     turns = getattr(_local, 'turns', None)
     if turns is not None:
         turns.hand_over(_local.me)
@@ -185,7 +188,7 @@ def wait_for(work, name="all-to-all", issued=None):
     if _observers:
         done = time.perf_counter()
         for observer in _observers:
-            observer(name, resumed if issued is None else issued, resumed, done)
+            observer(name, resumed if issued is None else issued, resumed, done, sent)
 
 
 def all_to_all(x, group):
@@ -193,7 +196,9 @@ def all_to_all(x, group):
     x = x.contiguous()
     out = torch.empty_like(x)
     issued = time.perf_counter() if _observers else None
-    wait_for(dist.all_to_all_single(out, x, group=group, async_op=True), issued=issued)
+    ranks = dist.get_world_size(group)  # equal splits: all but this rank's share leaves it
+    wait_for(dist.all_to_all_single(out, x, group=group, async_op=True), issued=issued,
+             sent=x.numel() * x.element_size() * (ranks - 1) // ranks)
     return out
 
 

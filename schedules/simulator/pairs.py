@@ -12,14 +12,30 @@ max(a1, c2) + max(a2, c1) of the totals misses; with even pieces the two agree.
 
 
 def pair_ends(first, second, fill=0.0):
-    """When each pass of an overlapped pair ends, from the pair's start: (first's, second's). `first`, `second`:
+    """When each pass of an overlapped pair ends, from the pair's start: (first's, second's); see `_turns`, whose
+    weight gradients left over run once both passes have ended, as the end of `first`."""
+    ends, left = _turns(first, second, fill)
+    return (max(ends) + left if left > 0 else ends[0]), ends[1]
+
+
+def alone_ends(shape, fill=0.0):
+    """(when a pass alone ends, the seconds of weight gradients it leaves): `shape` as `_turns`' `first`, `fill` the
+    seconds of its computation that are weight gradients it computes while it waits for its collectives; what is
+    left runs after it (a B whose own W comes next: the W, passes.own_weight_next)."""
+    ends, left = _turns(shape, ([0.0], [], []), fill)
+    return ends[0], left
+
+
+def _turns(first, second, fill=0.0):
+    """When each pass of an overlapped pair ends, from the pair's start, and the weight gradients left: ([first's,
+    second's], seconds left). `first`, `second`:
     (computes, collectives[, kernels]) with len(computes) == len(collectives) + 1; `first` starts. `kernels`: the
     part of each collective that keeps the core busy (copying, the kernel's work), spread over its flight: a pass
     computing while the other's collective is in flight runs that much slower; a pass waiting for it loses nothing
     more (the collective's own time holds it). `fill`: seconds of `first`'s computation that are weight gradients
     it defers (overlap.fill_with): each of its computes gives that share to a pool, which a pass given the turn
     while its collective is in flight computes until the collective ends (on what of the core the collective's
-    kernel share leaves); what is left runs once both have ended, as the end of `first`."""
+    kernel share leaves); what is left is returned."""
     parties = [(*p, [0.0] * len(p[1])) if len(p) == 2 else p for p in (first, second)]
     for computes, collectives, _ in parties:
         if len(computes) != len(collectives) + 1:
@@ -53,9 +69,7 @@ def pair_ends(first, second, fill=0.0):
         else:
             ends[me] = t
             turn = 1 - me
-    if pool > 0:
-        ends[0] = max(ends) + pool
-    return ends[0], ends[1]
+    return ends, pool
 
 
 def _computed(t, work, other):

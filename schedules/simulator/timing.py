@@ -5,7 +5,8 @@ from operator import itemgetter
 
 import numpy as np
 
-from schedules.simulator.pairs import pair_ends, scaled
+from schedules.passes import own_weight_next
+from schedules.simulator.pairs import alone_ends, pair_ends, scaled
 from schedules.simulator.structure import _RECV_CPU, _SEND_CPU, _WAIT, _ZERO, _slots
 from schedules.simulator.timeline import Pass
 
@@ -267,6 +268,19 @@ def _partners(prog):
     return found
 
 
+def _own_weights(prog):
+    """(B, its W) of each B pass of `prog` whose own W is its rank's next pass (passes.own_weight_next). Kept with
+    the program."""
+    found = prog.variants.get('own weights')
+    if found is None:
+        rows = {}  # rank -> [(index, its item)] in the rank's order
+        for i, t in enumerate(prog.passes):
+            rows.setdefault(t[0], []).append((i, None if t[7] else (t[1], t[4], t[3])))  # (kind, mb, chunk)
+        found = prog.variants['own weights'] = [
+            (row[k][0], row[k + 1][0]) for row in rows.values() for k in own_weight_next([x for _, x in row])]
+    return found
+
+
 def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None, fill=None):
     """The passes' times with their collectives: a pass alone waits for its own after its computation (a + c); the
     two passes of an overlapped pair take turns on the core, each computing while the other's collective is in
@@ -293,7 +307,11 @@ def _with_comm(prog, costs, comm, overlap, cpu=None, shape=None, fill=None):
             key = prog.keys[prog.key_of[i]]
             s = shape(*key[:3]) if key[2] == 'BW' else None
             if s is not None:
-                out[i] = pair_ends(scaled(s, costs[i], extra[i], kept[i]), ([0.0], [], []), fill=fill(*key))[0]
+                out[i] = sum(alone_ends(scaled(s, costs[i], extra[i], kept[i]), fill=fill(*key)))  # the rest too
+        for i, w in _own_weights(prog):  # and a B whose own W comes next with its W's works, the W doing the rest
+            s = shape(*prog.keys[prog.key_of[i]][:3])
+            if s is not None:
+                out[i], out[w] = alone_ends(scaled(s, costs[i] + costs[w], extra[i], kept[i]), fill=costs[w])
     for i in np.nonzero(paired)[0].tolist():
         j = int(partner[i])
         if j < i:
