@@ -99,9 +99,11 @@ def test_without_a_filler_a_pair_waits_as_before():
     assert got == ["second", "first"]
 
 
-def test_a_pass_alone_fills_its_own_waits():
+@pytest.mark.parametrize("rest", [True, False])
+def test_a_pass_alone_fills_its_own_waits(rest):
     """run_alone: a backward with no partner computes its queued weight gradients while its collective is in flight,
-    and the rest when it ends."""
+    and the rest when it ends; with rest=False (a B whose own W comes next, ChunkedEngine._run_backward_input_pass)
+    what is left stays queued, in order, for the W."""
     log, queue, comm = [], [], _Collective()
 
     def compute(work):
@@ -113,23 +115,8 @@ def test_a_pass_alone_fills_its_own_waits():
         queue.extend([0, 1])
         overlap.wait_for(comm)
         queue.append(2)
-    overlap.run_alone(backward)
-    assert log == [(0, "waiting"), (1, "after"), (2, "after")] and queue == []
-
-
-def test_a_pass_alone_may_leave_its_rest_to_a_w():
-    """run_alone(rest=False): a B whose own W comes next computes queued works only while its collective is in flight;
-    what is left stays queued, in order, for the W (ChunkedEngine._run_backward_input_pass)."""
-    log, queue, comm = [], [], _Collective()
-
-    def compute(work):
-        log.append(work)
-        comm.done.set()
-
-    def backward():
-        overlap.fill_with(queue, compute)
-        queue.extend([0, 1])
-        overlap.wait_for(comm)
-        queue.append(2)
-    overlap.run_alone(backward, rest=False)
-    assert log == [0] and queue == [1, 2]
+    overlap.run_alone(backward, rest=rest)
+    if rest:
+        assert log == [(0, "waiting"), (1, "after"), (2, "after")] and queue == []
+    else:
+        assert log == [(0, "waiting")] and queue == [1, 2]
