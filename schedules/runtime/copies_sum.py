@@ -74,8 +74,8 @@ class CopiesSum:
                 self._left.pop(chunk)
 
     def finish(self, chunks):
-        """ReduceGrads: the gradients of `chunks` (in the order both copies list them) not yet summing summed now,
-        then every sum waited for."""
+        """ReduceGrads: the gradients of `chunks` (in the order both copies list them) whose sum has not started,
+        summed now, then every sum waited for."""
         rest = [c for c in chunks if c in self._left or c not in self._flying]
         params, grads = [], []
         for c in rest:
