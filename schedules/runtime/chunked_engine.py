@@ -147,9 +147,9 @@ class ChunkedEngine(SplitBackwardEngine):
         return self._early_counts
 
     def _backward_ending(self, chunk):
-        """Before an instruction that ends a backward of `chunk` (or a B whose own W comes next)."""
-        if self._copies is not None:
-            self._copies.ending(chunk)
+        """Before an instruction that ends a backward of `chunk` (or a B whose own W comes next): whether it is the
+        chunk's last of the step, whose works' sums start as they are added."""
+        return self._copies is not None and self._copies.ending(chunk)
 
     def _backward_done(self, chunk):
         """After an instruction that ends a backward of `chunk`: with its last of the step, the rest of its
@@ -215,9 +215,8 @@ class ChunkedEngine(SplitBackwardEngine):
         with self._in_chunk(chunk):
             if fused:
                 SplitBackwardEngine._exec_backward_pass(self, slot)
-            elif fill:  # its works fill its waits (overlap.fill_with); its W computes the rest
-                with defer_weight_grads() as queue:
-                    overlap.fill_with(queue, partial(self._weight_grads_now, chunk))
+            elif fill:  # its works fill its waits; its W computes the rest
+                with self._filling(chunk) as queue:
                     SplitBackwardEngine._exec_stock_backward(self, slot)
                 self._deferred[slot].append(queue)
             else:
@@ -225,8 +224,8 @@ class ChunkedEngine(SplitBackwardEngine):
 
     def _run_backward_weight(self, buffer_id, chunk):
         slot = self._slot(buffer_id, chunk)
-        self._backward_ending(chunk)
-        works = list(self._deferred[slot][0]) if self._copies is not None and self._deferred[slot] else ()
+        final = self._backward_ending(chunk)
+        works = list(self._deferred[slot][0]) if final and self._deferred[slot] else ()
         with self._in_chunk(chunk):
             SplitBackwardEngine._exec_backward_weight_pass(self, slot)
         for work in works:  # in the chunk's last backward, their sums start in the works' order
@@ -265,9 +264,16 @@ class ChunkedEngine(SplitBackwardEngine):
 
     def _run_backward_filling(self, buffer_id, chunk):
         self._backward_ending(chunk)
+        with self._filling(chunk):
+            self._run_backward_input(buffer_id, chunk, fused=True)
+
+    @contextmanager
+    def _filling(self, chunk):
+        """Within a pair or a pass alone (overlap.py): the weight-gradient works of the backward run inside deferred
+        to a queue, which the pass's waits for its collectives compute from (overlap.fill_with)."""
         with defer_weight_grads() as queue:
             overlap.fill_with(queue, partial(self._weight_grads_now, chunk))
-            self._run_backward_input(buffer_id, chunk, fused=True)
+            yield queue
 
     def _weight_grads_now(self, chunk, work):
         """One deferred work's weight gradients, added into `.grad` as a W pass adds them (its hooks see them); in

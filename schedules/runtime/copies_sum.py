@@ -44,9 +44,10 @@ class CopiesSum:
 
     def ending(self, chunk):
         """Before an instruction that ends a backward of `chunk` (or a B whose own W comes next): if it is the
-        chunk's last, the works it adds are final (`work_added`)."""
+        chunk's last, the works it adds are final (`work_added`). Whether it is."""
         if self._left.get(chunk) == 1:
             self._final.add(chunk)
+        return chunk in self._final
 
     def work_added(self, chunk, work):
         """After a deferred weight-gradient work of `chunk` added its gradients: in the chunk's last backward, the
