@@ -28,8 +28,9 @@ ALLOWED = {
     "entry": {"vocabulary", "registry", "definitions", "runtime", "simulator", "observe", "planner", "entry"},
 }
 # the planner times layers with torch: of the runtime it reads only the B / W split and the split head's layers and
-# their layout (vocab_parallel, which imports no engine either), never an engine
-PLANNER_RUNTIME = {"schedules.runtime.weight_grad", "schedules.runtime.vocab_parallel"}
+# their layout (vocab_parallel, which imports no engine either), and times the experts' exchange as they run it
+# (all_to_all), never an engine
+PLANNER_RUNTIME = {"schedules.runtime.weight_grad", "schedules.runtime.vocab_parallel", "schedules.runtime.all_to_all"}
 
 
 def role(module):

@@ -94,7 +94,7 @@ def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
         assert len(made) == 3
         tcp = nodes.measure()
         gloo, _ = map(float, on_both(nodes, "gloo_rate_probe.py").split())
-        profile = json.loads(on_both(nodes, "p2p_profile_probe.py"))
+        profile = json.loads(on_both(nodes, "p2p_profile_probe.py").splitlines()[-1])  # DeepSpeed's log line first
     assert abs(gloo / 200e6 - 1) < 0.10, f"gloo got {gloo / 1e6:.1f} Mbit/s of 200"
     assert abs(tcp / 200e6 - 1) < 0.10, f"a TCP transfer got {tcp / 1e6:.1f} Mbit/s of 200"
     # auto's link: a byte's time is the link's, and a receive's own time leaves the wire out (the simulator puts
@@ -104,11 +104,11 @@ def test_a_set_link_rate_is_what_gloo_sees_and_the_planner_measures():
     assert profile["recv"] < 0.3 * wire, profile
     # the sockets' buffers take a 128 KiB message at once: its blocking send returns before the wire carried it
     assert (128 << 10) <= profile["buffered"] <= (1 << 20), profile
-    # an all-to-all between the two moves half of each rank's payload across each way; timed on the rank that
-    # enters it last, the two ways cross one after the other (gloo posts that rank's send before its receive, whose
-    # notice then waits behind the bytes already sending): about the link's byte time per byte a rank puts in,
-    # where both ways at once would be half of it
-    assert 0.8 < profile["a2a_per_byte"] / (8 / 200e6) < 1.2, profile
+    # an all-to-all between the two moves half of each rank's payload across each way, both ways at once, also on
+    # the rank that enters it last: half the link's byte time per byte a rank puts in. torch's all-to-all on gloo
+    # took the whole of it there: that rank's receive, posted after its send, told the other it could send only
+    # behind its own bytes, so the two ways crossed one after the other (schedules/runtime/all_to_all.py)
+    assert 0.4 < profile["a2a_per_byte"] / (8 / 200e6) < 0.65, profile
     assert not namespaces_of(os.getpid())
 
 

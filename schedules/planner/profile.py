@@ -474,6 +474,7 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes
     least time of the repeats. Every rank of the group calls it, and gets the same figures."""
     import torch
     import torch.distributed as dist
+    from schedules.runtime.all_to_all import post_all_to_all
     rank = dist.get_rank()
     nbytes = max(int(nbytes), 8)
     small, message, big = (torch.zeros(n // 4, device=device) for n in (4, nbytes, max(nbytes, 1 << 20)))
@@ -537,13 +538,11 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes
         for _ in range(repeats):
             dist.barrier()
             if rank == 0:
-                # timed on the rank that enters last, as one always does in training: on gloo its send is posted
-                # before its receive, whose notice then waits behind the bytes already sending, so the two ways
-                # cross one after the other (42 ms for 1 MiB each way entered together at 200 Mbit/s, 83 ms on
-                # the later rank); which rank left the barrier first decided it before
+                # timed on the rank that enters last, as one always does in training (with torch's all-to-all
+                # on gloo the two ways then crossed one after the other: schedules/runtime/all_to_all.py)
                 time.sleep(0.002)
             t0 = time.perf_counter()
-            dist.all_to_all_single(out, x)
+            post_all_to_all(out, x, None).wait()  # the exchange the experts run
             times.append(time.perf_counter() - t0)
         return min(times)
 

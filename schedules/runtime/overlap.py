@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from schedules.runtime.all_to_all import post_all_to_all
+
 _local = threading.local()  # .turns, .me: the pair this thread's pass belongs to, and which of its two it is
 
 
@@ -192,12 +194,13 @@ def wait_for(work, name="all-to-all", issued=None, sent=0):
 
 
 def all_to_all(x, group):
-    """`torch.distributed.all_to_all_single` of `x` over `group` (equal splits), asynchronous: `wait_for` it."""
+    """`torch.distributed.all_to_all_single` of `x` over `group` (equal splits), asynchronous (its receives posted
+    before its sends on gloo: all_to_all.py): `wait_for` it."""
     x = x.contiguous()
     out = torch.empty_like(x)
     issued = time.perf_counter() if _observers else None
     ranks = dist.get_world_size(group)  # equal splits: all but this rank's share leaves it
-    wait_for(dist.all_to_all_single(out, x, group=group, async_op=True), issued=issued,
+    wait_for(post_all_to_all(out, x, group), issued=issued,
              sent=x.numel() * x.element_size() * (ranks - 1) // ranks)
     return out
 
