@@ -474,6 +474,7 @@ def measure_p2p(nbytes, repeats=20, device=None, reduce_bytes=8 << 20, a2a_bytes
     least time of the repeats. Every rank of the group calls it, and gets the same figures."""
     import torch
     import torch.distributed as dist
+
     from schedules.runtime.all_to_all import post_all_to_all
     rank = dist.get_rank()
     nbytes = max(int(nbytes), 8)
