@@ -95,7 +95,7 @@ def main(argv=None):
             (_, out, _), *_ = common.launch_across(nodes, worker, args.timeout)
             ranks = json.loads(out.strip().splitlines()[-1])
             median = {w: max(r["median_s"][w] for r in ranks) for w in WAYS}
-            wire = args.kib * 512 * 8 / got if got else 0.0
+            wire = args.kib * 512 * 8 / got  # half of each rank's tensor crosses each way
             record["results"][rate] = {"median_s": median, "wire_s": wire, "measured_rate": format_rate(got),
                                        "wrong": sum(r["wrong"] for r in ranks)}
             lines.append(f"| {rate} ({format_rate(got)}) | {median['torch'] * 1e3:.1f} | "

@@ -45,7 +45,7 @@ def post_all_to_all(out, x, group):
         raise ValueError(f"an all-to-all of equal splits over {ranks} ranks needs dim 0 a multiple of {ranks}, "
                          f"got {tuple(x.shape)}")
     ins, outs = out.chunk(ranks), x.chunk(ranks)
-    peers = [(me + k) % ranks for k in range(1, ranks)]  # rank i first hears from i+1, as gloo pairs them
+    peers = [(me + k) % ranks for k in range(1, ranks)]  # every other rank (all posted before any wait: any order)
     works = [dist.irecv(ins[peer], group=group, group_src=peer) for peer in peers]
     works += [dist.isend(outs[peer], group=group, group_dst=peer) for peer in peers]
     ins[me].copy_(outs[me])
