@@ -25,9 +25,18 @@ def test_a_computation_in_one_piece_hides_less_than_the_totals_say():
     forward = ([0.004] * 7, [0.016] * 6)
     closed = max(0.215, 0.096) + max(0.028, 0.032)  # 0.247
     ends = pair_ends(backward, forward)
-    # the backward ends at 0.247 (its collectives hidden but for 12 ms); the forward then runs alone, its last four
-    # collectives exposed in full: 0.251 + 4 x (0.016 + 0.004)
-    assert ends == pytest.approx((0.247, 0.331)) and max(ends) > closed + 0.08
+    # the forward's first two collectives cross behind the backward's (0.216-0.232, 0.248-0.264), so the backward
+    # ends at 0.253; the forward then runs alone, its last four collectives exposed in full: 0.268 + 4 x 0.020
+    assert ends == pytest.approx((0.253, 0.348)) and max(ends) > closed + 0.1
+
+
+def test_a_collective_issued_while_the_other_s_crosses_waits_for_the_link():
+    """The two passes' collectives share the rank's link: the forward's, issued at 1 s while the backward's
+    crosses until 3 s, crosses from 3 to 5 s, and the forward waits for it there, not at 3."""
+    backward, forward = ([1.0, 0.5], [2.0]), ([0.0, 1.0], [2.0])
+    # B computes to 1 and issues; F issues at once (behind B's, 3-5); B waits to 3, computes to 3.5 and ends;
+    # F waits to 5 and computes to 6
+    assert pair_ends(backward, forward) == pytest.approx((3.5, 6.0))
 
 
 def test_the_cores_part_of_a_collective_is_not_counted_twice():
@@ -52,12 +61,14 @@ def test_the_backward_s_weight_gradients_fill_what_both_passes_wait():
     """Backward 2 + 2 + 2 s around two 1.5 s collectives, forward 1 + 1 + 1 around two: the backward's collectives
     have 1 s of the forward to hide behind, so the pair waits (10 s). With 3 s of the backward's computation its
     deferred weight gradients, each piece of 2 s is 1 of B and leaves 1 to a pool, and the waits take from it:
-    by hand, the backward resumes at 2.0 with its collective due at 2.5 (0.5 filled), at 4.5 due at 5.0 (0.5
-    filled); both end at 6 and 7, and the 2 s left run after, 9 s in all. (A collective whose kernel holds the core
-    leaves nothing to fill: tests/test_benchmark_overlap.py.)"""
+    by hand, the forward's first collective, issued at 2.0, crosses behind the backward's (2.5-4.0); the backward
+    resumes at 2.0 with its collective due at 2.5 (0.5 filled), the forward at 3.5 with its due at 4.0 (0.5), the
+    backward at 5.0 with its second, issued at 3.5 behind the forward's, due at 5.5 (0.5), the forward at 6.5 with
+    its second due at 7.0 (0.5); the backward ends at 6.5, the forward at 8, and the 1 s left runs after, 9 s.
+    (A collective whose kernel holds the core leaves nothing to fill: tests/test_benchmark_overlap.py.)"""
     backward, forward = ([2.0, 2.0, 2.0], [1.5, 1.5]), ([1.0, 1.0, 1.0], [1.5, 1.5])
     assert pair_ends(backward, forward) == pytest.approx((9.0, 10.0))
-    assert pair_ends(backward, forward, fill=3.0) == pytest.approx((9.0, 7.0))
+    assert pair_ends(backward, forward, fill=3.0) == pytest.approx((9.0, 8.0))
 
 
 def test_a_fused_backward_alone_fills_its_own_wait():

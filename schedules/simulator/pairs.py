@@ -8,6 +8,10 @@ waits for the collective it issued (exposed), then computes on. A pass that has 
 and the other runs its rest alone. So a pass whose computation sits in one piece (GPTlite's last stage: the head's
 backward, then two MoE layers' all-to-alls) hides little of the other's collectives, which the closed form
 max(a1, c2) + max(a2, c1) of the totals misses; with even pieces the two agree.
+
+Both passes' collectives cross the rank's one link: one issued while the other pass's is still in flight starts
+crossing when that one ends (a throttled link carries the two one after the other; traced one at a time, each
+took its whole time alone).
 """
 
 
@@ -35,7 +39,8 @@ def _turns(first, second, fill=0.0):
     more (the collective's own time holds it). `fill`: seconds of `first`'s computation that are weight gradients
     it defers (overlap.fill_with): each of its computes gives that share to a pool, which a pass given the turn
     while its collective is in flight computes until the collective ends (on what of the core the collective's
-    kernel share leaves); what is left is returned."""
+    kernel share leaves); what is left is returned. A collective issued while the other pass's is in flight
+    crosses after it (the module's note)."""
     parties = [(*p, [0.0] * len(p[1])) if len(p) == 2 else p for p in (first, second)]
     for computes, collectives, _ in parties:
         if len(computes) != len(collectives) + 1:
@@ -62,7 +67,8 @@ def _turns(first, second, fill=0.0):
             pool += computes[at[me]] * share / (1.0 - share)
         if at[me] < len(collectives):
             c = collectives[at[me]]
-            flight[me] = (t + c, min(1.0, kernels[at[me]] / c) if c > 0 else 0.0)
+            end = max(t, flight[1 - me][0]) + c if flight[1 - me] is not None else t + c  # behind the other's
+            flight[me] = (end, min(1.0, kernels[at[me]] / (end - t)) if end > t else 0.0)
             at[me] += 1
             if ends[1 - me] is None:
                 turn = 1 - me
