@@ -103,7 +103,7 @@ def measure(args, nodes, setting, model, ep, schedule, rates, comm_cpu):
         twin = os.path.join(folder, f"{name}-sequential.json")
         cell["sequential_step_s"] = run(args, nodes, model, ep, schedule, twin, overlap="off")
         if nodes is None:
-            comm_cpu[(model, schedule)] = communication_costs(twin)[1]
+            comm_cpu[(model, schedule)] = communication_costs(twin, own=True)[1]
         cpu = comm_cpu.get((model, schedule))
         cell["predicted_s"] = traced_forecast(twin, cell["sequential_step_s"], wire, overlap=True, comm_cpu=cpu)
         cell["sequential_predicted_s"] = traced_forecast(twin, cell["sequential_step_s"], wire)

@@ -85,8 +85,8 @@ def run_across(nodes, args, model, flags, predict=False, name="run", comm_cpu=No
         forecast = ratio = None
         own_cpu = None
         if predict:  # unthrottled, the link is what the host's kernel carries between namespaces (2-20 Gbit/s)
-            if not nodes.rate:  # an unthrottled run's all-to-alls are the core's own work
-                own_cpu = communication_costs(trace)[1]
+            if not nodes.rate:  # an unthrottled run's all-to-alls, once every rank is in them, are the core's work
+                own_cpu = communication_costs(trace, own=True)[1]
             rate = nodes.rate or nodes.measure()
             forecast = predicted(trace, model, rate, statistics.median(times),
                                  own_cpu if comm_cpu is None else comm_cpu)

@@ -51,7 +51,7 @@ def traced_run(path, compute, comm, m=4):
     run = simulate("dualpipe", 2, m, costs=costs, comm={k: dict(comm) for k in costs}, overlap=False, iterations=1)
     tracers = []
     for rank, row in enumerate(run.timeline.ranks):
-        waits = [("all_to_all", p.end - c, p.end - c, p.end, 0, 0) for p in row  # a BW waits for its B's
+        waits = [("all_to_all", p.end - c, p.end - c, p.end, 0, 0, None) for p in row  # a BW waits for its B's
                  for c in [comm.get(p.kind, comm.get("B", 0.0) if p.kind == "BW" else 0.0)] if c]
         tracers.append(SimpleNamespace(rank=rank, passes=row, placement=MirrorPlacement(2), memory_samples=[],
                                        peak_bytes={}, p2p=[], other=[], comm=waits))

@@ -127,7 +127,8 @@ def test_a_slow_link_saves_up_no_bandwidth_while_it_idles():
 @pytest.mark.multiprocess
 def test_the_readmes_moe_gptlite_trains_overlapped_across_two_nodes(tmp_path):
     """The README's command (tiny, 2 steps): DualPipe's copies share each stage's experts and exchange their tokens
-    over the 1 Gbit/s link, the pairs overlapped (the default), and the losses are the sequential pairs'."""
+    over the 1 Gbit/s link, the pairs overlapped (the default), and the losses are the sequential pairs'. The
+    sequential run's trace names each all-to-all's group and rank (what trace.communication_costs(own=True) reads)."""
     readme = ["--moe-experts", "4", "--pipeline-parallel-size", "2", "--pipeline-schedule", "dualpipe",
               "--dualpipe-experts", "shard", "--gradient-accumulation-steps", "8"]
     assert " ".join(readme) in (ROOT / "README.md").read_text().replace(" \\\n    ", " ")
@@ -136,10 +137,15 @@ def test_the_readmes_moe_gptlite_trains_overlapped_across_two_nodes(tmp_path):
         metrics = tmp_path / f"{overlap}.jsonl"
         status, lines = cluster(["--nodes", 2, "--link", "1gbit", "--timeout", 200, "--", "train.py", *readme, *TINY,
                                  "--micro-batch-size", "2", "--steps", 2, "--log-interval", "1", "--overlap", overlap,
-                                 "--metrics-file", metrics])
+                                 "--metrics-file", metrics,
+                                 *(["--trace", tmp_path / "off.json", "--trace-steps", 1] if overlap == "off" else [])])
         assert status == 0, "\n".join(lines[-30:])
         got[overlap] = losses(metrics)
     assert sorted(got["on"]) == [1, 2] and got["on"] == got["off"]
+    events = json.loads((tmp_path / "off.json").read_text())["traceEvents"]
+    exchanges = [e["args"] for e in events if e.get("cat") == "comm" and e["name"] == "all-to-all"]
+    assert exchanges and all(a["group"] == [0, 1] and a["rank"] in (0, 1) for a in exchanges)
+    assert {a["rank"] for a in exchanges} == {0, 1}
     assert not namespaces_of(os.getpid())
 
 

@@ -207,7 +207,7 @@ def test_step_parts_split_a_traced_step_and_the_bytes_its_collectives_sent(tmp_p
                              p2p=[("RecvGrad", 1.0, 1.5, 0)],
                              other=[("PairWeightGrads", 3.2, 3.5, 0), ("ReduceGrads", 3.5, 4.0, 0),
                                     ("OptimizerStep", 4.0, 4.2, 0)],
-                             comm=[("all-to-all", 2.0, 2.5, 2.6, 0, 1000)])
+                             comm=[("all-to-all", 2.0, 2.5, 2.6, 0, 1000, None)])
     path = tmp_path / "trace.json"
     write_chrome_trace([tracer], str(path), {"schedule": "dualpipe", "stages": 2, "micro_batches": 2})
     parts = step_parts(str(path))[0]
@@ -215,3 +215,33 @@ def test_step_parts_split_a_traced_step_and_the_bytes_its_collectives_sent(tmp_p
                 "optimizer": 0.2, "rest": 0.1, "step": 4.2}
     assert parts == pytest.approx(expected)
     assert communication_bytes(str(path)) == {0: 1000}
+
+
+def test_a_collective_s_own_time_leaves_out_the_wait_for_a_late_peer(tmp_path):
+    """trace.communication_costs(own=True): each all-to-all counted from when the last rank of its group reached
+    it (the shortest of the group's times for it: they end together), what keeps a core busy over a free link;
+    a group a rank traced fewer of (or another replica's, not traced) stays as traced."""
+    from types import SimpleNamespace
+
+    from schedules.observe.trace import communication_costs, write_chrome_trace
+    from schedules.placement import MirrorPlacement
+    tracers = []
+    # two ranks, each a forward (0-10 ms) with two all-to-alls over group (0, 1): rank 1 reaches the first 2 ms
+    # after rank 0 and the second 1 ms before it; each ends together on both, 1 ms after the later one came
+    arrivals = {0: (0.002, 0.006), 1: (0.004, 0.005)}
+    for rank in (0, 1):
+        comm = [("all-to-all", at, at, end, 0, 0, (rank, (0, 1)))
+                for at, end in zip(arrivals[rank], (0.005, 0.007))]
+        comm.append(("capacity", 0.008, 0.008, 0.009, 0, 0, (rank, (0, 1, 2, 3))))  # ranks 2 and 3 not traced
+        tracers.append(SimpleNamespace(rank=rank, passes=[Pass('F', rank, 0, 0, 0.0, 0.010)],
+                                       placement=MirrorPlacement(2), memory_samples=[], peak_bytes={}, p2p=[],
+                                       other=[], comm=comm))
+    path = tmp_path / "trace.json"
+    write_chrome_trace(tracers, str(path), {"schedule": "dualpipe", "stages": 2, "micro_batches": 1})
+    traced = communication_costs(str(path))[1]
+    own = communication_costs(str(path), own=True)[1]
+    assert traced[(0, 0)]["F"] == pytest.approx(0.003 + 0.001 + 0.001)
+    assert traced[(1, 0)]["F"] == pytest.approx(0.001 + 0.002 + 0.001)
+    # the first: rank 0 waited 2 ms for rank 1 (own 1 ms); the second: rank 1 waited 1 ms for rank 0 (own 1 ms)
+    assert own[(0, 0)]["F"] == pytest.approx(0.001 + 0.001 + 0.001)
+    assert own[(1, 0)]["F"] == pytest.approx(0.001 + 0.001 + 0.001)

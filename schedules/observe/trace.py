@@ -43,7 +43,7 @@ class Tracer:
         self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
         self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
         self.param_bytes = None  # bytes of the parameters this rank holds (RunTrace sets it)
-        self.comm = []  # (name, issued, resumed, done, iteration, bytes sent) of collectives inside passes
+        self.comm = []  # (name, issued, resumed, done, iteration, bytes sent, group's ranks) of collectives in passes
         self.iteration = 0
         self.active = False
         self._pair = 0
@@ -89,12 +89,12 @@ class Tracer:
     def record_p2p(self, name, start, end):
         self.p2p.append((name, start - self.origin, end - self.origin, self.iteration))
 
-    def record_comm(self, name, issued, resumed, done, sent=0):
+    def record_comm(self, name, issued, resumed, done, sent=0, group=None):
         """A collective inside a pass: in flight from `issued` to `done`, the rank waiting for it (exposed) from
-        `resumed`, `sent` bytes to other ranks (overlap.observe)."""
+        `resumed`, `sent` bytes to other ranks; `group`: (this rank, the group's ranks), global (overlap.observe)."""
         if self.active:
             self.comm.append((name, issued - self.origin, resumed - self.origin, done - self.origin, self.iteration,
-                              sent))
+                              sent, group))
 
     def record_other(self, name, start, end):
         self.other.append((name, start - self.origin, end - self.origin, self.iteration))
@@ -199,11 +199,14 @@ def write_chrome_trace(tracers, path, meta):
             for name, start, end, iteration in records:
                 events.append({"name": name, "cat": cat, "ph": "X", "pid": t.rank, "tid": tid, "ts": start * 1e6,
                                "dur": (end - start) * 1e6, "args": {"iteration": iteration}})
-        for name, issued, resumed, done, iteration, sent in t.comm:  # a pass's collectives: in flight, waited for
+        # a pass's collectives: in flight (with the bytes sent and the group's ranks), and waited for
+        for name, issued, resumed, done, iteration, sent, group in t.comm:
             for tid, start in ((3, issued), (4, resumed)):
+                mine = {"bytes": sent, **({"rank": group[0], "group": list(group[1])} if group else {})
+                        } if tid == 3 else {}
                 events.append({"name": name, "cat": "comm" if tid == 3 else "exposed", "ph": "X", "pid": t.rank,
                                "tid": tid, "ts": start * 1e6, "dur": (done - start) * 1e6,
-                               "args": {"iteration": iteration, **({"bytes": sent} if tid == 3 else {})}})
+                               "args": {"iteration": iteration, **mine}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
 
@@ -367,32 +370,57 @@ def measured_costs(timeline):
     return _means(((rank, p.chunk), p.kind, p.duration) for rank, p in timeline.passes())
 
 
-def _collectives_in_passes(path, iteration=None):
+def _collectives_in_passes(path, iteration=None, own=False):
     """(timeline, {(rank, pass index, cat): [(start, seconds), ...]}) of a trace file: each collective's spans, 'comm'
-    (issued to done) and 'exposed' (waited for), under the pass it started in, in the file's order, of one traced
-    step or all."""
+    (issued to done, or with `own` its own time: `_own_seconds`) and 'exposed' (waited for), under the pass it
+    started in, in the file's order, of one traced step or all."""
     timeline, _ = load_chrome_trace(path)
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("comm", "exposed")]
+    seconds = _own_seconds(events) if own else {}
     inside = {}
-    for e in events:
+    for k, e in enumerate(events):
         if iteration is not None and e["args"]["iteration"] != iteration:
             continue
         at = e["ts"] / 1e6
         row = timeline.ranks[e["pid"]]
         for i, p in enumerate(row):
             if p.start <= at <= p.end:
-                inside.setdefault((e["pid"], i, e["cat"]), []).append((at, e["dur"] / 1e6))
+                inside.setdefault((e["pid"], i, e["cat"]), []).append((at, seconds.get(k, e["dur"] / 1e6)))
                 break
     return timeline, inside
 
 
-def communication_costs(path, iteration=None):
+def _own_seconds(events):
+    """{index in `events`: seconds} of each collective ('comm' event) whose group the trace names: its time once
+    every rank of the group was in it, the shortest of the group's ranks' times for it (the rank that came last
+    waited for no one; they all end together). The n-th collective of a group on one rank is its n-th on every
+    other, as collectives are issued; a group of which a rank traced a different number of them, or none (a
+    data-parallel replica other than the first: not traced), is left as traced."""
+    mine = {}  # (group, rank) -> indices of its collectives, in the order issued
+    for k, e in enumerate(events):
+        group = e["cat"] == "comm" and e["args"].get("group")
+        if group:
+            mine.setdefault((tuple(group), e["args"]["rank"]), []).append(k)
+    seconds = {}
+    for group in {g for g, _ in mine}:
+        rows = [sorted(mine.get((group, r), ()), key=lambda k: events[k]["ts"]) for r in group]
+        if len({len(row) for row in rows}) != 1:
+            continue
+        for column in zip(*rows):
+            shortest = min(events[k]["dur"] for k in column) / 1e6
+            seconds.update((k, shortest) for k in column)
+    return seconds
+
+
+def communication_costs(path, iteration=None, own=False):
     """(costs, comm) of a trace file of a run whose passes ran one at a time (no overlapped pairs: --overlap off):
     the simulator's cost table of each pass's computation (its duration less what it waited for its collectives),
     and of the collectives a pass had in flight (its `comm`), both means per (rank, chunk) and kind, of one traced
-    step or all. What predicts the same steps overlapped: simulate(..., costs=costs, comm=comm, overlap=True)."""
-    timeline, inside = _collectives_in_passes(path, iteration)
+    step or all. What predicts the same steps overlapped: simulate(..., costs=costs, comm=comm, overlap=True).
+    `own`: each collective counted from when the last rank of its group reached it (`_own_seconds`): over a free
+    link, the part of it that keeps the core busy (simulate's comm_cpu), without the wait for a late peer."""
+    timeline, inside = _collectives_in_passes(path, iteration, own)
 
     def total(rank, i, cat):
         return sum((seconds for _, seconds in inside.get((rank, i, cat), ())), 0.0)

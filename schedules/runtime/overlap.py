@@ -164,13 +164,14 @@ def in_pair():
     return getattr(_local, 'turns', None) is not None
 
 
-_observers = []  # called with (name, issued, resumed, done, sent) of each exchange (the tracer)
+_observers = []  # called with (name, issued, resumed, done, sent, group) of each exchange (the tracer)
 
 
 def observe(observer):
-    """`observer(name, issued, resumed, done, sent)` after every collective waited for here: when it was issued, when
-    this pass had the turn again (from then on the rank waited for it: exposed), when it was done, and the bytes this
-    rank sent to others in it."""
+    """`observer(name, issued, resumed, done, sent, group)` after every collective waited for here: when it was
+    issued, when this pass had the turn again (from then on the rank waited for it: exposed), when it was done, the
+    bytes this rank sent to others in it, and (this rank, the group's ranks), global ranks (None outside a process
+    group)."""
     _observers.append(observer)
 
 
@@ -178,9 +179,9 @@ def unobserve(observer):
     _observers.remove(observer)
 
 
-def wait_for(work, name="all-to-all", issued=None, sent=0):
-    """Wait for `work` (an asynchronous collective that sent `sent` bytes to other ranks); inside a pair, the other
-    pass computes meanwhile."""
+def wait_for(work, name="all-to-all", issued=None, sent=0, group=None):
+    """Wait for `work` (an asynchronous collective over `group` that sent `sent` bytes to other ranks); inside a
+    pair, the other pass computes meanwhile."""
     turns = getattr(_local, 'turns', None)
     if turns is not None:
         turns.hand_over(_local.me)
@@ -189,8 +190,18 @@ def wait_for(work, name="all-to-all", issued=None, sent=0):
     work.wait()
     if _observers:
         done = time.perf_counter()
+        ranks = _group_ranks(group)
         for observer in _observers:
-            observer(name, resumed if issued is None else issued, resumed, done, sent)
+            observer(name, resumed if issued is None else issued, resumed, done, sent, ranks)
+
+
+def _group_ranks(group):
+    """(this rank, the ranks of `group` (None: the default group), a tuple), global ranks; None outside a process
+    group."""
+    if not dist.is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return dist.get_rank(), tuple(ranks)
 
 
 def all_to_all(x, group):
@@ -201,7 +212,7 @@ def all_to_all(x, group):
     issued = time.perf_counter() if _observers else None
     ranks = dist.get_world_size(group)  # equal splits: all but this rank's share leaves it
     wait_for(post_all_to_all(out, x, group), issued=issued,
-             sent=x.numel() * x.element_size() * (ranks - 1) // ranks)
+             sent=x.numel() * x.element_size() * (ranks - 1) // ranks, group=group)
     return out
 
 
@@ -211,7 +222,8 @@ def all_reduce_max(x, group, name="capacity"):
     the group reached it."""
     x = x.clone()
     issued = time.perf_counter() if _observers else None
-    wait_for(dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=True), name=name, issued=issued)
+    wait_for(dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=True), name=name, issued=issued,
+             group=group)
     return x
 
 
