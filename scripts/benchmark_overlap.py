@@ -233,7 +233,8 @@ def main(argv=None):
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},
               "parameter_bytes": {m: parameter_bytes(m) for m in args.models}, "args": vars(args)}
-    cpu = {}  # model -> the unthrottled sequential run's all-to-all time per pass (predicted's comm_cpu)
+    cpu = {}  # model -> the unthrottled sequential run's all-to-all time per pass, once both ranks are in it
+    #           (predicted's comm_cpu)
     started = time.time()
     nodes = common.open_emulated_nodes(2)
     try:

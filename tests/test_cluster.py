@@ -135,10 +135,10 @@ def test_the_readmes_moe_gptlite_trains_overlapped_across_two_nodes(tmp_path):
     got = {}
     for overlap in ("on", "off"):
         metrics = tmp_path / f"{overlap}.jsonl"
+        traced = ["--trace", tmp_path / "off.json", "--trace-steps", 1] if overlap == "off" else []
         status, lines = cluster(["--nodes", 2, "--link", "1gbit", "--timeout", 200, "--", "train.py", *readme, *TINY,
                                  "--micro-batch-size", "2", "--steps", 2, "--log-interval", "1", "--overlap", overlap,
-                                 "--metrics-file", metrics,
-                                 *(["--trace", tmp_path / "off.json", "--trace-steps", 1] if overlap == "off" else [])])
+                                 "--metrics-file", metrics, *traced])
         assert status == 0, "\n".join(lines[-30:])
         got[overlap] = losses(metrics)
     assert sorted(got["on"]) == [1, 2] and got["on"] == got["off"]
