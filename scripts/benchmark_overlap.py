@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                    help="what runs at each speed")
     p.add_argument("--no-auto", action="store_true", help="skip auto's predictions (a profile across the nodes)")
+    p.add_argument("--repredict", metavar="FOLDER", help="run nothing: recompute the simulator's figures of a saved "
+                   "run (FOLDER/overlap.json and its traces) with the simulator as it is now, written to --out")
     common.add(p, "out", "docs", "timeout", out="runs/overlap", docs="overlap", timeout=900)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny models: the plumbing
     return p.parse_args(argv)
@@ -222,13 +224,52 @@ def parts_table(per_rate, rates):
             "|---" * (len(PARTS) + 2) + "|", *rows]
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.smoke:
+def configure(smoke, micro_batches):
+    """The models as a run with these options trains them (--smoke, --micro-batches)."""
+    if smoke:
         MODELS["deep"].update(micro_batch_size=16, micro_batches=4, flags=common.SMOKE_MOE["deep"])
         MODELS["gptlite"].update(micro_batch_size=2, micro_batches=4, flags=common.SMOKE_MOE["gptlite"])
     for spec in MODELS.values():
-        spec["micro_batches"] = args.micro_batches or spec["micro_batches"]
+        spec["micro_batches"] = micro_batches or spec["micro_batches"]
+
+
+def repredict(folder):
+    """The record of a saved run (FOLDER/overlap.json) with its simulator figures recomputed from its traces
+    (FOLDER/traces) by the simulator as it is now, as the run computed them: each round's steps from its sequential
+    trace at each speed, the core's part of the all-to-alls from that round's unthrottled sequential run (the
+    last round's before it where the round has none; none where the run had no unthrottled speed)."""
+    from emulated_nodes import parse_rate
+    from schedules.observe.trace import communication_costs
+    with open(os.path.join(folder, "overlap.json")) as f:
+        record = json.load(f)
+    saved = record["args"]
+    configure(saved.get("smoke"), saved.get("micro_batches"))
+    for model, per_rate in record["results"].items():
+        cpu = None
+        for rnd in range(saved["rounds"]):
+            unthrottled = os.path.join(folder, "traces", f"{model}-off-sequential-{rnd}.json")
+            if os.path.exists(unthrottled):
+                cpu = communication_costs(unthrottled, own=True)[1]
+            for rate in record["rates"]:
+                trace = os.path.join(folder, "traces", f"{model}-{rate}-sequential-{rnd}.json")
+                cell = per_rate.get(rate, {})
+                if not os.path.exists(trace) or len(cell.get("sequential", {}).get("runs", [])) <= rnd:
+                    continue
+                bits = parse_rate(rate) or parse_rate(record["measured_rate"][rate])  # off: what a transfer got
+                step = cell["sequential"]["runs"][rnd]["step_s"]
+                for label, figure in predicted(trace, model, bits, step, cpu).items():
+                    cell[label]["predicted"][rnd] = figure
+    return record
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.repredict:
+        record = repredict(args.repredict)
+        common.save(args, "overlap", record, table(record))
+        print("\n".join(table(record)))
+        return record
+    configure(args.smoke, args.micro_batches)
     machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))
     record = {"machine": machine + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
               "rates": args.rates, "measured_rate": {}, "results": {m: {} for m in args.models},

@@ -96,3 +96,37 @@ def test_a_traced_sequential_run_predicts_itself_and_its_overlap(tmp_path, monke
     # the all-to-alls all the core's own work (as over an unthrottled link): no turn hides them
     busy = bo.predicted(str(tmp_path / "trace.json"), "deep", 1e15, step, comms)
     assert busy["overlapped"] == pytest.approx(busy["sequential"], rel=1e-3)
+
+
+def test_a_saved_run_is_predicted_again_from_its_traces(tmp_path, monkeypatch):
+    """--repredict FOLDER: the simulator's figures of a saved run recomputed from its traces, each round's from its
+    own sequential trace, with the core's part of the all-to-alls from that round's unthrottled one; the rest of
+    the record as it was."""
+    import json
+    monkeypatch.setitem(bo.MODELS["deep"], "micro_batches", 4)
+    compute = {"F": 0.010, "B": 0.012, "W": 0.005}
+    folder = tmp_path / "run"
+    (folder / "traces").mkdir(parents=True)
+    spans = {}
+    for rate, comm in (("off", 0.001), ("250mbit", 0.008)):
+        spans[rate] = traced_run(folder / "traces" / f"deep-{rate}-sequential-0.json", compute, {"F": comm, "B": comm})
+    def config(step):  # one run, and its medians as the table reads them
+        return {"runs": [{"step_s": step}], "step_s": step, "comm": {"0": [0.0, 0.0], "1": [0.0, 0.0]},
+                "predicted": [0.0]}
+    cell = {rate: {"sequential": config(spans[rate] + 0.05), "overlapped": config(1.0), "ratio": [1.0],
+                   "wire_ratio": [1.0]} for rate in spans}
+    record = {"machine": "2-core test machine", "parameter_bytes": {"deep": None}, "rates": ["off", "250mbit"],
+              "measured_rate": {"off": "10 Gbit/s", "250mbit": "250 Mbit/s"}, "results": {"deep": cell},
+              "args": {"rounds": 1, "micro_batches": 4, "smoke": False}}
+    (folder / "overlap.json").write_text(json.dumps(record))
+    got = bo.main(["--repredict", str(folder), "--out", str(tmp_path / "again")])
+    from schedules.observe.trace import communication_costs
+    cpu = communication_costs(str(folder / "traces" / "deep-off-sequential-0.json"), own=True)[1]
+    expected = bo.predicted(str(folder / "traces" / "deep-250mbit-sequential-0.json"), "deep", 250e6,
+                            spans["250mbit"] + 0.05, cpu)
+    row = got["results"]["deep"]["250mbit"]
+    assert row["overlapped"]["predicted"] == [pytest.approx(expected["overlapped"])]
+    assert row["sequential"]["predicted"] == [pytest.approx(expected["sequential"])]
+    assert row["overlapped"]["predicted"][0] < row["sequential"]["predicted"][0]
+    assert row["overlapped"]["runs"] == [{"step_s": 1.0}]
+    assert json.loads((tmp_path / "again" / "overlap.json").read_text())["results"]["deep"]["250mbit"] == row
