@@ -83,7 +83,7 @@ def main(argv=None):
     from schedules.observe.memory import machine_line
     nodes = common.open_emulated_nodes(2)
     record = {"machine": machine_line(), "args": vars(args), "results": {}}
-    lines = [machine_line() + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
+    lines = [record["machine"] + ", 2 emulated nodes (network namespaces, tc htb links), one rank each",
              f"{args.kib} KiB a rank ({args.kib // 2} KiB each way), {args.compute_ms:g} ms of computation between "
              f"exchanges, {args.rounds} rounds of {args.exchanges - 2}; median ms on the rank that waited longer:", "",
              "| link | torch's all-to-all | receives first | ratio | the bytes on the wire |", "|---|---|---|---|---|"]

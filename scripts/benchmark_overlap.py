@@ -266,8 +266,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.repredict:
         record = repredict(args.repredict)
-        common.save(args, "overlap", record, table(record))
-        print("\n".join(table(record)))
+        lines = table(record)
+        common.save(args, "overlap", record, lines)
+        print("\n".join(lines))
         return record
     configure(args.smoke, args.micro_batches)
     machine = common.machine("benchmark_overlap", argparse.Namespace(device="cpu", stages=2))

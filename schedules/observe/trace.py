@@ -43,7 +43,7 @@ class Tracer:
         self.memory_samples = []  # (seconds, live bytes) at the end of each pass, when `memory` is set
         self.peak_bytes = {}  # iteration -> the memory tracker's peak within it (RunTrace with memory=True)
         self.param_bytes = None  # bytes of the parameters this rank holds (RunTrace sets it)
-        self.comm = []  # (name, issued, resumed, done, iteration, bytes sent, group's ranks) of collectives in passes
+        self.comm = []  # (name, issued, resumed, done, iteration, bytes sent, (rank, group's ranks)) inside passes
         self.iteration = 0
         self.active = False
         self._pair = 0
@@ -202,11 +202,11 @@ def write_chrome_trace(tracers, path, meta):
         # a pass's collectives: in flight (with the bytes sent and the group's ranks), and waited for
         for name, issued, resumed, done, iteration, sent, group in t.comm:
             for tid, start in ((3, issued), (4, resumed)):
-                mine = {"bytes": sent, **({"rank": group[0], "group": list(group[1])} if group else {})
-                        } if tid == 3 else {}
+                flight = {"bytes": sent, **({"rank": group[0], "group": list(group[1])} if group else {})
+                          } if tid == 3 else {}
                 events.append({"name": name, "cat": "comm" if tid == 3 else "exposed", "ph": "X", "pid": t.rank,
                                "tid": tid, "ts": start * 1e6, "dur": (done - start) * 1e6,
-                               "args": {"iteration": iteration, **mine}})
+                               "args": {"iteration": iteration, **flight}})
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f)
 
